@@ -1,0 +1,77 @@
+"""Messages between the tokenizer and the scheduler: token ids in, token ids out.
+
+The tokenizer sends `EngineRequest`s (already tokenized) and `FinishRequest`s (a stop string
+matched, or the client aborted); the scheduler answers with `GeneratedTokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from parkade.schemas.sampling import SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_request"):
+    """A tokenized generate request. `eos_token_ids` come from the model's generation config."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    arrival_time: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must be non-empty")
+        if min(self.prompt_token_ids) < 0:
+            raise ValueError("prompt_token_ids must be >= 0")
+
+
+class FinishRequest(msgspec.Struct, frozen=True, kw_only=True, tag="finish_request"):
+    """Finish a request early (a stop string matched, or an abort). Idempotent."""
+
+    request_id: str
+    reason: FinishReason = FinishReason.ABORT
+    stop_reason: str | None = None
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """Logprobs at one position: entry 0 is the sampled token, then the top-k tokens.
+
+    Logprobs are of the model's raw distribution (before temperature and penalties), as vLLM's
+    default. `ranks[i]` is 1 for the most likely token.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    ranks: tuple[int, ...]
+
+
+class GeneratedTokens(msgspec.Struct, frozen=True, kw_only=True, tag="generated_tokens"):
+    """New output tokens of one request. `index` is the position of `token_ids[0]` in the output.
+
+    `finish_reason` is set on the request's last message; `stop_reason` names the stop token id
+    that ended it, if any.
+    """
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+SchedulerInMessage = EngineRequest | FinishRequest

@@ -1,0 +1,68 @@
+"""Messages between the scheduler and the executor: one `StepPlan` and one `StepResult` a step.
+
+The plan carries only what changed since the previous step: a request the executor has not seen
+(or one resumed after preemption) travels in full as `NewRequestData`; a running one as
+`CachedRequestData` with its new block ids. Block tables only grow, so the executor keeps them.
+A plan's size does not grow with context length.
+
+    request tokens:  | computed (KV in pool) | scheduled this step | not yet scheduled |
+                     0                num_computed_tokens   + num_scheduled_tokens
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from parkade.schemas.engine import TokenLogprobs
+from parkade.schemas.sampling import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A request the executor must (re)build state for. `token_ids` = prompt + outputs so far."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int  # prefix-cache hits are already computed
+    eos_token_ids: tuple[int, ...] = ()  # suppressed until sampling_params.min_tokens
+
+
+class CachedRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A request the executor already holds: append `new_block_ids` to its block table."""
+
+    request_id: str
+    new_block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+class StepPlan(msgspec.Struct, frozen=True, kw_only=True, tag="step_plan"):
+    """What to compute in one step.
+
+    `num_scheduled_tokens[request_id]` tokens are computed for each scheduled request, from its
+    `num_computed_tokens` on. A request samples a token when that reaches the end of its known
+    tokens (the last chunk of a prefill, or a decode). `finished_request_ids` and
+    `preempted_request_ids` name requests whose executor state can be dropped; their blocks are
+    already back in the scheduler's pool.
+    """
+
+    step_id: int
+    new_requests: tuple[NewRequestData, ...] = ()
+    cached_requests: tuple[CachedRequestData, ...] = ()
+    num_scheduled_tokens: dict[str, int] = {}
+    finished_request_ids: tuple[str, ...] = ()
+    preempted_request_ids: tuple[str, ...] = ()
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
+    """The tokens sampled in step `step_id`, one per request that reached the end of its tokens."""
+
+    step_id: int
+    request_ids: tuple[str, ...] = ()
+    sampled_token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs | None, ...] | None = None

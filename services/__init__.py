@@ -1,0 +1,1 @@
+"""Parkade services: tokenizer, scheduler, executor, and the in-process engine."""

@@ -1,0 +1,58 @@
+"""The waiting queue, under one of two policies.
+
+`fcfs`: arrival order; a preempted request returns to the head.
+`priority`: lowest `(priority, arrival_time)` first (vLLM's rule); a preempted request keeps
+its place by that key, which puts it ahead of everything that arrived after it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterator
+
+from parkade.services.scheduler.request import Request
+
+POLICIES = ("fcfs", "priority")
+
+
+class WaitingQueue:
+    def __init__(self, policy: str = "fcfs") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[tuple[int, float, str], Request]] = []
+
+    def add(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fifo.append(request)
+        else:
+            heapq.heappush(self._heap, (request.sort_key(), request))
+
+    def add_preempted(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fifo.appendleft(request)
+        else:
+            heapq.heappush(self._heap, (request.sort_key(), request))
+
+    def peek(self) -> Request:
+        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][1]
+
+    def pop(self) -> Request:
+        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[1]
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "fcfs":
+            self._fifo.remove(request)
+        else:
+            self._heap = [item for item in self._heap if item[1] is not request]
+            heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._fifo) + len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        if self.policy == "fcfs":
+            return iter(self._fifo)
+        return iter(request for _, request in sorted(self._heap, key=lambda item: item[0]))

@@ -1,0 +1,97 @@
+"""`Request`: the scheduler's record of one request, and the chained block hashes of its tokens.
+
+    all_token_ids:  | prompt_token_ids | output_token_ids |
+                    0       num_computed_tokens ^      num_tokens
+
+`num_computed_tokens` counts tokens whose KV is in the pool (or is being written by a step in
+flight). It only moves back on preemption, to 0: the request is recomputed from its prefix cache.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from parkade.schemas import EngineRequest, FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed
+    FINISHED = "finished"
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash of one full block: it identifies the whole prefix up to the block's end.
+
+    NOTE: Python's hash of ints and tuples is not salted, so it is stable across processes.
+    Collisions are harmless: a hit is confirmed by comparing the parent hash and token ids.
+    """
+    return hash((parent_hash, token_ids))
+
+
+class Request:
+    def __init__(self, engine_request: EngineRequest, block_size: int) -> None:
+        self.request_id = engine_request.request_id
+        self.prompt_token_ids: tuple[int, ...] = engine_request.prompt_token_ids
+        self.sampling_params: SamplingParams = engine_request.sampling_params
+        self.eos_token_ids = engine_request.eos_token_ids
+        self.priority = engine_request.priority
+        self.arrival_time = engine_request.arrival_time
+        self.block_size = block_size
+
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit of the first admission; -1 before it
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        # block_hashes[i] covers all_token_ids[: (i + 1) * block_size]; grows with the tokens.
+        self.block_hashes: list[int] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def block_token_ids(self, index: int) -> tuple[int, ...]:
+        start = index * self.block_size
+        return tuple(self.all_token_ids[start : start + self.block_size])
+
+    def update_block_hashes(self) -> list[int]:
+        """Extend `block_hashes` to every full block of the known tokens; return them all."""
+        num_full = self.num_tokens // self.block_size
+        while len(self.block_hashes) < num_full:
+            index = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block(parent, self.block_token_ids(index)))
+        return self.block_hashes
+
+    def sort_key(self) -> tuple[int, float, str]:
+        """Priority-policy order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.arrival_time, self.request_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

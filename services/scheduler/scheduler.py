@@ -1,0 +1,351 @@
+"""`Scheduler`: token-level continuous batching over a paged KV cache. Pure Python: no torch, no I/O.
+
+    add(EngineRequest)            a request joins the waiting queue
+    schedule() -> StepPlan        hand out this step's tokens
+    update(plan, result) -> [GeneratedTokens]
+    finish_request(id, reason)    abort, or a stop string matched
+
+There are no prefill and decode phases. Each request has `num_computed_tokens`; every step
+hands out at most `max_num_batched_tokens` tokens (the token budget) to at most `max_num_seqs`
+requests: running requests first (a decode is one token; a chunked prefill continues), then
+admissions from the waiting queue. A long prompt is split into chunks across steps.
+When a running request cannot get a block, the scheduler preempts by recompute: the victim (the
+newest request, or under the priority policy the lowest-priority one) gives all its blocks back
+and returns to the waiting queue; its prefix-cached blocks make its re-prefill cheap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parkade.schemas import (
+    CachedRequestData,
+    EngineRequest,
+    FinishReason,
+    GeneratedTokens,
+    NewRequestData,
+    StepPlan,
+    StepResult,
+)
+from parkade.services.scheduler.kv_cache_manager import KVCacheManager
+from parkade.services.scheduler.queue import WaitingQueue
+from parkade.services.scheduler.request import Request, RequestStatus
+
+ADMISSION_MODES = ("paged", "reserve")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """`admission="reserve"` reserves blocks for prompt + max_tokens when a request is admitted,
+    as servers without paging do; it exists to measure what paging saves."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    admission: str = "paged"
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_live_tokens: int  # tokens whose KV the running requests hold
+    num_allocated_slots: int  # used blocks * block_size
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+
+    @property
+    def kv_utilization(self) -> float:
+        return self.num_live_tokens / self.num_allocated_slots if self.num_allocated_slots else 0.0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # A request may never hold more tokens than max_model_len or the whole pool.
+        self.max_request_len = min(config.max_model_len, config.num_blocks * config.block_size)
+        self.step_id = 0
+        self.num_preemptions = 0
+        self._in_executor: set[str] = set()  # requests whose state the executor holds
+        self._finished_ids: list[str] = []  # to tell the executor in the next plan
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add(self, engine_request: EngineRequest) -> None:
+        """Queue a request. Raises ValueError at once for a prompt that could never run."""
+        request_id = engine_request.request_id
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        num_prompt = len(engine_request.prompt_token_ids)
+        if num_prompt > self.config.max_model_len:
+            raise ValueError(
+                f"prompt of request {request_id!r} has {num_prompt} tokens, more than "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        if num_prompt > self.max_request_len:
+            raise ValueError(
+                f"prompt of request {request_id!r} has {num_prompt} tokens, more than the KV pool "
+                f"holds ({self.config.num_blocks} blocks of {self.config.block_size} tokens)"
+            )
+        if not self.config.enable_chunked_prefill and num_prompt > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt of request {request_id!r} has {num_prompt} tokens, more than "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens} without chunked prefill"
+            )
+        request = Request(engine_request, self.config.block_size)
+        self.requests[request_id] = request
+        self.waiting.add(request)
+
+    def finish_request(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT, stop_reason: int | str | None = None
+    ) -> GeneratedTokens | None:
+        """End a live request early (abort, stop string). Returns its final event, or None when
+        the request is unknown or already finished (idempotent)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, reason, stop_reason)
+        return GeneratedTokens(
+            request_id=request_id,
+            index=request.num_output_tokens,
+            token_ids=(),
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason, request.stop_reason = reason, stop_reason
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._in_executor:
+            self._in_executor.discard(request.request_id)
+            self._finished_ids.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Hand out this step's tokens. The plan's requests are already counted as computed."""
+        self.step_id += 1
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+
+        # 1. Running requests, in admission order.
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while (blocks := self.kv.allocate_slots(request, num_new)) is None:
+                victim = self._pick_victim()
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id)
+                    new_blocks.pop(victim.request_id)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if blocks is None:
+                continue
+            scheduled[request.request_id] = num_new
+            new_blocks[request.request_id] = blocks
+            budget -= num_new
+
+        # 2. Admissions, unless this step had to preempt (the pool is full).
+        admitted: list[Request] = []
+        while (
+            not preempted
+            and budget > 0
+            and len(self.waiting) > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            hit_blocks, num_hit = self.kv.match_prefix(request)
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            reserved = 0
+            if self.config.admission == "reserve":
+                reserved = max(0, self._reservation(request) - num_hit - num_new)
+            blocks = self.kv.allocate_slots(request, num_new, hit_blocks, reserved)
+            if blocks is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            scheduled[request.request_id] = num_new
+            admitted.append(request)
+            budget -= num_new
+
+        return self._make_plan(scheduled, new_blocks, admitted, preempted)
+
+    def _make_plan(
+        self,
+        scheduled: dict[str, int],
+        new_blocks: dict[str, list[int]],
+        admitted: list[Request],
+        preempted: list[Request],
+    ) -> StepPlan:
+        new_requests = [
+            NewRequestData(
+                request_id=r.request_id,
+                token_ids=tuple(r.all_token_ids),
+                num_prompt_tokens=r.num_prompt_tokens,
+                sampling_params=r.sampling_params,
+                block_ids=tuple(self.kv.get_block_ids(r.request_id)),
+                num_computed_tokens=r.num_computed_tokens,
+                eos_token_ids=r.eos_token_ids,
+            )
+            for r in admitted
+        ]
+        cached_requests = [
+            CachedRequestData(
+                request_id=request_id,
+                new_block_ids=tuple(blocks),
+                num_computed_tokens=self.requests[request_id].num_computed_tokens,
+            )
+            for request_id, blocks in new_blocks.items()
+        ]
+        preempted_ids = [r.request_id for r in preempted if r.request_id in self._in_executor]
+        self._in_executor.difference_update(preempted_ids)
+        self._in_executor.update(r.request_id for r in admitted)
+        for request_id, num_tokens in scheduled.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        plan = StepPlan(
+            step_id=self.step_id,
+            new_requests=tuple(new_requests),
+            cached_requests=tuple(cached_requests),
+            num_scheduled_tokens=scheduled,
+            finished_request_ids=tuple(self._finished_ids),
+            preempted_request_ids=tuple(preempted_ids),
+        )
+        self._finished_ids = []
+        return plan
+
+    def _reservation(self, request: Request) -> int:
+        """Tokens that `reserve` admission holds slots for: prompt + max_tokens, capped."""
+        max_tokens = request.sampling_params.max_tokens
+        wanted = self.max_request_len if max_tokens is None else request.num_prompt_tokens + max_tokens
+        return min(wanted, self.max_request_len)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_preempted(request)
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[GeneratedTokens]:
+        """Append the sampled tokens, finish the requests that stop. Returns one event per token.
+
+        Results for requests that finished or were preempted since the plan are dropped.
+        """
+        outputs: list[GeneratedTokens] = []
+        logprobs = result.logprobs or (None,) * len(result.request_ids)
+        for request_id, token_id, token_logprobs in zip(
+            result.request_ids, result.sampled_token_ids, logprobs, strict=True
+        ):
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.append_output_token(token_id)
+            reason, stop_reason = self._check_stop(request, token_id)
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason, stop_reason)
+            outputs.append(
+                GeneratedTokens(
+                    request_id=request_id,
+                    index=request.num_output_tokens - 1,
+                    token_ids=(token_id,),
+                    logprobs=None if token_logprobs is None else (token_logprobs,),
+                    finish_reason=reason,
+                    stop_reason=stop_reason,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return FinishReason.STOP, None
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP, token_id
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH, None
+        if request.num_tokens >= self.max_request_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    # ---- introspection -------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        queries = self.kv.num_prefix_queries
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_used_blocks=pool.num_used_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_live_tokens=sum(r.num_computed_tokens for r in self.running),
+            num_allocated_slots=pool.num_used_blocks * self.config.block_size,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_hit_rate=self.kv.num_prefix_hits / queries if queries else 0.0,
+        )
+
+    def check_integrity(self) -> None:
+        """The block manager's invariants, plus: exactly the running requests hold blocks."""
+        self.kv.check_integrity()
+        assert set(self.kv.block_tables) == {r.request_id for r in self.running}
+        assert len(self.running) + len(self.waiting) == len(self.requests)
+        for request in self.running:
+            assert request.status is RequestStatus.RUNNING
+            assert request.num_computed_tokens <= request.num_tokens
+            held = len(self.kv.get_block_ids(request.request_id)) * self.config.block_size
+            assert held >= request.num_computed_tokens
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert request.num_computed_tokens == 0

@@ -1,0 +1,52 @@
+"""Test doubles that speak the real wire messages."""
+
+from __future__ import annotations
+
+import random
+
+from parkade.schemas import StepPlan, StepResult
+
+
+class FakeExecutor:
+    """Follows step plans the way the real executor does, but samples random tokens.
+
+    It keeps each request's known tokens and block table from the plans alone, so a plan that
+    loses information (a missing block, a wrong num_computed_tokens) fails here.
+    """
+
+    def __init__(self, vocab_size: int = 50, seed: int = 0, block_size: int | None = None) -> None:
+        self.rng = random.Random(seed)
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.token_ids: dict[str, list[int]] = {}
+        self.block_tables: dict[str, list[int]] = {}
+        self.num_computed: dict[str, int] = {}
+        self.sampled: dict[str, list[int]] = {}  # every token sampled, per request, never dropped
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for request_id in plan.finished_request_ids + plan.preempted_request_ids:
+            self.token_ids.pop(request_id)
+            self.block_tables.pop(request_id)
+            self.num_computed.pop(request_id)
+        for new in plan.new_requests:
+            assert new.request_id not in self.token_ids, "new request already known"
+            self.token_ids[new.request_id] = list(new.token_ids)
+            self.block_tables[new.request_id] = list(new.block_ids)
+            self.num_computed[new.request_id] = new.num_computed_tokens
+        for cached in plan.cached_requests:
+            assert self.num_computed[cached.request_id] == cached.num_computed_tokens
+            self.block_tables[cached.request_id].extend(cached.new_block_ids)
+        request_ids, sampled = [], []
+        for request_id, n in plan.num_scheduled_tokens.items():
+            end = self.num_computed[request_id] + n
+            assert end <= len(self.token_ids[request_id])
+            if self.block_size is not None:
+                assert len(self.block_tables[request_id]) * self.block_size >= end, "too few blocks"
+            self.num_computed[request_id] = end
+            if end == len(self.token_ids[request_id]):
+                token = self.rng.randrange(self.vocab_size)
+                self.token_ids[request_id].append(token)
+                self.sampled.setdefault(request_id, []).append(token)
+                request_ids.append(request_id)
+                sampled.append(token)
+        return StepResult(step_id=plan.step_id, request_ids=tuple(request_ids), sampled_token_ids=tuple(sampled))

@@ -1,0 +1,217 @@
+import pytest
+from fakes import FakeExecutor
+
+from parkade.schemas import EngineRequest, FinishReason, SamplingParams, StepResult
+from parkade.services.scheduler.scheduler import Scheduler, SchedulerConfig
+
+BS = 4
+
+
+def req(request_id, n_prompt, max_tokens=4, first=0, priority=0, arrival=0.0, **params):
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(range(first, first + n_prompt)),
+        sampling_params=SamplingParams(max_tokens=max_tokens, **params),
+        eos_token_ids=(2,),
+        priority=priority,
+        arrival_time=arrival,
+    )
+
+
+def sched(**overrides) -> Scheduler:
+    config = dict(num_blocks=16, block_size=BS, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64)
+    config.update(overrides)
+    return Scheduler(SchedulerConfig(**config))
+
+
+def sample(plan, tokens: dict[str, int]) -> StepResult:
+    ids = tuple(tokens)
+    return StepResult(step_id=plan.step_id, request_ids=ids, sampled_token_ids=tuple(tokens[i] for i in ids))
+
+
+def test_prefill_then_decode_with_exact_blocks():
+    s = sched()
+    s.add(req("a", 6))
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"a": 6}
+    (new,) = plan.new_requests
+    assert new.block_ids == (0, 1) and new.num_computed_tokens == 0 and new.token_ids == tuple(range(6))
+    s.update(plan, sample(plan, {"a": 10}))
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"a": 1}
+    assert plan.cached_requests[0].new_block_ids == () and plan.cached_requests[0].num_computed_tokens == 6
+    s.update(plan, sample(plan, {"a": 11}))
+    plan = s.schedule()
+    assert plan.cached_requests[0].new_block_ids == ()  # position 7 is the last slot of block 1
+    s.update(plan, sample(plan, {"a": 12}))
+    plan = s.schedule()
+    assert plan.cached_requests[0].new_block_ids == (2,)  # position 8 needs a third block
+    s.check_integrity()
+
+
+def test_chunked_prefill_splits_a_long_prompt_under_the_token_budget():
+    s = sched(max_num_batched_tokens=8)
+    s.add(req("a", 20))
+    chunks = []
+    for _ in range(3):
+        plan = s.schedule()
+        chunks.append(plan.num_scheduled_tokens["a"])
+        sampled = {"a": 5} if s.requests["a"].num_computed_tokens == 20 else {}
+        s.update(plan, sample(plan, sampled))
+    assert chunks == [8, 8, 4]
+    assert s.requests["a"].output_token_ids == [5]
+
+
+def test_running_requests_are_scheduled_before_admissions():
+    s = sched(max_num_batched_tokens=10)
+    s.add(req("a", 9))
+    plan = s.schedule()
+    s.update(plan, sample(plan, {"a": 7}))
+    s.add(req("b", 12, first=100))
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 9}  # b's prompt is chunked into the rest
+
+
+def test_max_num_seqs_caps_the_batch():
+    s = sched(max_num_seqs=2)
+    for i in range(3):
+        s.add(req(f"r{i}", 2, first=10 * i))
+    plan = s.schedule()
+    assert set(plan.num_scheduled_tokens) == {"r0", "r1"}
+
+
+def test_preemption_recomputes_the_newest_request_and_it_resumes_from_cache():
+    s = sched(num_blocks=4, max_num_batched_tokens=64)
+    s.add(req("a", 8, max_tokens=20))
+    s.add(req("b", 8, max_tokens=20, first=100))
+    plan = s.schedule()
+    assert [n.block_ids for n in plan.new_requests] == [(0, 1), (2, 3)]
+    s.update(plan, sample(plan, {"a": 1, "b": 1}))  # each holds 8 computed tokens in 2 blocks
+    plan = s.schedule()  # a's 9th token needs a block: b is preempted
+    assert plan.num_scheduled_tokens == {"a": 1}
+    assert plan.cached_requests[0].new_block_ids == (3,)  # b's freed tail block
+    assert plan.preempted_request_ids == ("b",)
+    assert s.requests["b"].num_computed_tokens == 0 and s.num_preemptions == 1
+    s.check_integrity()
+    s.finish_request("a")
+    plan = s.schedule()
+    (resumed,) = plan.new_requests
+    assert resumed.request_id == "b"
+    assert resumed.token_ids == (*range(100, 108), 1)
+    assert resumed.num_computed_tokens == 4  # its first block survived as a cache hit
+    assert plan.finished_request_ids == ("a",)
+    s.check_integrity()
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    s = sched(num_blocks=4, policy="priority", max_num_batched_tokens=64)
+    s.add(req("low", 8, max_tokens=20, priority=5, arrival=0.0))
+    s.add(req("high", 8, max_tokens=20, priority=0, arrival=1.0, first=100))
+    plan = s.schedule()
+    assert [n.request_id for n in plan.new_requests] == ["high", "low"]
+    s.update(plan, sample(plan, {"high": 1, "low": 1}))
+    plan = s.schedule()
+    assert plan.preempted_request_ids == ("low",) and plan.num_scheduled_tokens == {"high": 1}
+
+
+def test_priority_preemption_of_an_already_scheduled_request_returns_its_budget():
+    s = sched(num_blocks=4, policy="priority", max_num_batched_tokens=64)
+    s.add(req("low", 6, max_tokens=20, priority=5))
+    plan = s.schedule()
+    s.add(req("high", 8, max_tokens=20, priority=0, first=100))
+    s.update(plan, sample(plan, {"low": 1}))
+    plan = s.schedule()  # low decodes; high is admitted with the last 2 blocks
+    assert plan.num_scheduled_tokens == {"low": 1, "high": 8}
+    s.update(plan, sample(plan, {"low": 1, "high": 1}))
+    plan = s.schedule()  # low fits and is scheduled; then high needs a block and low is the victim
+    assert plan.preempted_request_ids == ("low",)
+    assert plan.num_scheduled_tokens == {"high": 1}
+    assert [c.request_id for c in plan.cached_requests] == ["high"]
+    s.check_integrity()
+
+
+def test_stop_conditions():
+    s = sched()
+    s.add(req("eos", 3, max_tokens=10))
+    s.add(req("stop_id", 3, max_tokens=10, stop_token_ids=(9,), first=10))
+    s.add(req("length", 3, max_tokens=1, first=20))
+    s.add(req("ignore", 3, max_tokens=10, ignore_eos=True, first=30))
+    s.add(req("min", 3, max_tokens=10, min_tokens=2, first=40))
+    plan = s.schedule()
+    out = {o.request_id: o for o in s.update(plan, sample(plan, {
+        "eos": 2, "stop_id": 9, "length": 5, "ignore": 2, "min": 2,
+    }))}
+    assert (out["eos"].finish_reason, out["eos"].stop_reason) == (FinishReason.STOP, None)
+    assert (out["stop_id"].finish_reason, out["stop_id"].stop_reason) == (FinishReason.STOP, 9)
+    assert out["length"].finish_reason == FinishReason.LENGTH
+    assert out["ignore"].finish_reason is None
+    assert out["min"].finish_reason is None  # EOS before min_tokens does not stop
+    assert set(s.requests) == {"ignore", "min"}
+    plan = s.schedule()
+    assert set(plan.finished_request_ids) == {"eos", "stop_id", "length"}
+    s.check_integrity()
+
+
+def test_max_model_len_finishes_with_length():
+    s = sched(max_model_len=8)
+    s.add(req("a", 7, max_tokens=None))
+    plan = s.schedule()
+    (out,) = s.update(plan, sample(plan, {"a": 3}))
+    assert out.finish_reason == FinishReason.LENGTH
+
+
+def test_prompts_that_can_never_run_fail_at_once():
+    s = sched(num_blocks=2, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        s.add(req("long", 65))
+    with pytest.raises(ValueError, match="KV pool holds"):
+        s.add(req("big", 9))
+    s2 = sched(enable_chunked_prefill=False, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        s2.add(req("a", 9))
+    s.add(req("ok", 3))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add(req("ok", 3))
+
+
+def test_abort_frees_blocks_and_is_idempotent():
+    s = sched()
+    s.add(req("a", 6))
+    s.add(req("w", 6, first=50))
+    plan = s.schedule()
+    event = s.finish_request("a")
+    assert event is not None and event.finish_reason == FinishReason.ABORT
+    assert s.finish_request("a") is None
+    s.finish_request("w")  # running too
+    assert s.kv.num_free_blocks == 16 and not s.has_unfinished_requests()
+    # a result for an aborted request is dropped
+    assert s.update(plan, sample(plan, {"a": 1})) == []
+    s.check_integrity()
+
+
+def test_reserve_admission_holds_blocks_for_max_tokens():
+    s = sched(admission="reserve", num_blocks=6)
+    s.add(req("a", 4, max_tokens=8))  # 12 tokens -> 3 blocks up front
+    s.add(req("b", 4, max_tokens=8, first=50))
+    s.add(req("c", 4, max_tokens=8, first=90))
+    plan = s.schedule()
+    assert [n.block_ids for n in plan.new_requests] == [(0, 1, 2), (3, 4, 5)]  # c waits
+    paged = sched(num_blocks=6)
+    for r in ("a", "b", "c"):
+        paged.add(req(r, 4, max_tokens=8, first=ord(r)))
+    assert len(paged.schedule().new_requests) == 3
+
+
+def test_fake_executor_agrees_with_plans_through_a_whole_run():
+    s = sched(num_blocks=6, max_num_batched_tokens=10)
+    ex = FakeExecutor(vocab_size=3, block_size=BS, seed=1)  # EOS (2) is common
+    for i in range(6):
+        s.add(req(f"r{i}", 3 + 2 * i, max_tokens=6, first=7 * i))
+    steps = 0
+    while s.has_unfinished_requests():
+        plan = s.schedule()
+        s.update(plan, ex.execute(plan))
+        s.check_integrity()
+        steps += 1
+        assert steps < 200
+    assert s.kv.num_free_blocks == 6
