@@ -78,7 +78,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "ids >= 0", self.stop_token_ids)
         if self.logprobs is not None:
             _check(
-                0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"in [0, {MAX_LOGPROBS}] or None", self.logprobs
+                0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"in [0, {MAX_LOGPROBS}] or None",
+                self.logprobs,
             )
 
     @property

@@ -49,4 +49,6 @@ class FakeExecutor:
                 self.sampled.setdefault(request_id, []).append(token)
                 request_ids.append(request_id)
                 sampled.append(token)
-        return StepResult(step_id=plan.step_id, request_ids=tuple(request_ids), sampled_token_ids=tuple(sampled))
+        return StepResult(
+            step_id=plan.step_id, request_ids=tuple(request_ids), sampled_token_ids=tuple(sampled)
+        )

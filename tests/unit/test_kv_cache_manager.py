@@ -7,7 +7,9 @@ BS = 4
 
 def make(request_id: str, tokens: list[int]) -> Request:
     return Request(
-        EngineRequest(request_id=request_id, prompt_token_ids=tuple(tokens), sampling_params=SamplingParams()),
+        EngineRequest(
+            request_id=request_id, prompt_token_ids=tuple(tokens), sampling_params=SamplingParams()
+        ),
         BS,
     )
 

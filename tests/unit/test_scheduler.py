@@ -138,9 +138,22 @@ def test_stop_conditions():
     s.add(req("ignore", 3, max_tokens=10, ignore_eos=True, first=30))
     s.add(req("min", 3, max_tokens=10, min_tokens=2, first=40))
     plan = s.schedule()
-    out = {o.request_id: o for o in s.update(plan, sample(plan, {
-        "eos": 2, "stop_id": 9, "length": 5, "ignore": 2, "min": 2,
-    }))}
+    out = {
+        o.request_id: o
+        for o in s.update(
+            plan,
+            sample(
+                plan,
+                {
+                    "eos": 2,
+                    "stop_id": 9,
+                    "length": 5,
+                    "ignore": 2,
+                    "min": 2,
+                },
+            ),
+        )
+    }
     assert (out["eos"].finish_reason, out["eos"].stop_reason) == (FinishReason.STOP, None)
     assert (out["stop_id"].finish_reason, out["stop_id"].stop_reason) == (FinishReason.STOP, 9)
     assert out["length"].finish_reason == FinishReason.LENGTH

@@ -52,14 +52,20 @@ def test_random_workloads_keep_integrity_and_free_every_block(w):
     )
     ex = FakeExecutor(vocab_size=30, seed=w["seed"], block_size=bs)
     pending = [
-        (w["arrivals"][i], i, EngineRequest(
-            request_id=f"r{i}",
-            prompt_token_ids=tuple([7] * 20 * (group > 0) + list(range(100 * i, 100 * i + n)))[:max_len - 1],
-            sampling_params=SamplingParams(max_tokens=m),
-            eos_token_ids=(0,),
-            priority=prio,
-            arrival_time=float(i),
-        ))
+        (
+            w["arrivals"][i],
+            i,
+            EngineRequest(
+                request_id=f"r{i}",
+                prompt_token_ids=tuple([7] * 20 * (group > 0) + list(range(100 * i, 100 * i + n)))[
+                    : max_len - 1
+                ],
+                sampling_params=SamplingParams(max_tokens=m),
+                eos_token_ids=(0,),
+                priority=prio,
+                arrival_time=float(i),
+            ),
+        )
         for i, (n, m, group, prio) in enumerate(w["requests"])
     ]
     s_prompts = {item[2].request_id: item[2].prompt_token_ids for item in pending}
