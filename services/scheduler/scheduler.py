@@ -90,9 +90,16 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
     def add(self, engine_request: EngineRequest) -> None:
         """Queue a request. Raises ValueError at once for a prompt that could never run."""
+        if engine_request.request_id in self.requests:
+            raise ValueError(f"request_id {engine_request.request_id!r} is already in use")
+        self.validate(engine_request)
+        request = Request(engine_request, self.config.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def validate(self, engine_request: EngineRequest) -> None:
+        """Raise ValueError if the request could never run. Reads only the configuration."""
         request_id = engine_request.request_id
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         num_prompt = len(engine_request.prompt_token_ids)
         if num_prompt > self.config.max_model_len:
             raise ValueError(
@@ -109,9 +116,6 @@ class Scheduler:
                 f"prompt of request {request_id!r} has {num_prompt} tokens, more than "
                 f"max_num_batched_tokens={self.config.max_num_batched_tokens} without chunked prefill"
             )
-        request = Request(engine_request, self.config.block_size)
-        self.requests[request_id] = request
-        self.waiting.add(request)
 
     def finish_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT, stop_reason: int | str | None = None

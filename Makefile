@@ -1,0 +1,26 @@
+# The two commands of the README. Each sets up .venv by itself on a fresh machine.
+#   make demo   run Parkade on its default model and stream a completion
+#   make test   run the test suite (what .ci/run calls)
+PY ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	# NOTE: torch first, pinned: a CPU build that satisfies the project's torch>=... requirement,
+	# where an unpinned install would pull a multi-GB CUDA build.
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/parkade offline "Once upon a time" --max-tokens 64
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/python loadtest/offline_bench.py

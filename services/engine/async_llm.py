@@ -1,0 +1,121 @@
+"""`AsyncLLM`: the streaming engine API that the services wrap.
+
+    engine = AsyncLLM(model=DIR)
+    async for output in engine.generate("Once upon a time", params, request_id="r1"):
+        print(output.outputs[0].text)   # cumulative, as vLLM's default output kind
+
+NOTE: one background task owns the `Engine`. Each step runs in a worker thread so that the event
+loop stays free; adds and aborts are queued and applied by that task between steps, so the
+engine is never touched by two threads at once. Validation (`Engine.prepare`) reads only
+configuration, so `generate` raises a bad request's error at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from parkade.schemas import SamplingParams
+from parkade.services.engine.args import EngineArgs
+from parkade.services.engine.engine import Engine, PromptType
+from parkade.services.engine.outputs import RequestOutput
+
+
+class AsyncLLM:
+    def __init__(self, model: str | Path, *, skip_tokenizer_init: bool = False, **kwargs: Any) -> None:
+        self.engine = Engine(EngineArgs(model=model, **kwargs), skip_tokenizer_init=skip_tokenizer_init)
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._pending: list[tuple[str, Any]] = []  # ("add", (request, text)) | ("abort", request_id)
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs until it finishes. Leaving the loop early (break,
+        cancellation) aborts the request and frees its blocks."""
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request, text = self.engine.prepare(request_id, prompt, sampling_params or SamplingParams(), priority)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._submit(("add", (request, text)))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._submit(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish_reason "abort". Idempotent."""
+        self._submit(("abort", request_id))
+
+    def _submit(self, command: tuple[str, Any]) -> None:
+        self._pending.append(command)
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        assert self._wakeup is not None
+        self._wakeup.set()
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for kind, arg in pending:
+            if kind == "add":
+                request, text = arg
+                self.engine.add_prepared(request, text)
+            else:
+                output = self.engine.abort(arg)
+                self._deliver([output] if output is not None else [])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is None:
+                continue
+            queue.put_nowait(output)
+            if output.finished:
+                del self._queues[output.request_id]
+
+    async def _run(self) -> None:
+        assert self._wakeup is not None
+        try:
+            while True:
+                self._apply_pending()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    if not self._pending:
+                        await self._wakeup.wait()
+                    continue
+                outputs = await asyncio.to_thread(self.engine.step)
+                self._deliver(outputs)
+        except Exception as error:  # a broken engine fails every open stream, not silently
+            for queue in self._queues.values():
+                queue.put_nowait(error)
+            self._queues.clear()
+            raise
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task

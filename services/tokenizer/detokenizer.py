@@ -1,0 +1,92 @@
+"""Incremental detokenization and stop strings, for one request. Pure: no I/O.
+
+Decoding tokens one at a time is wrong for two reasons: a SentencePiece-style decoder drops
+the leading space of the first token it sees, and a multi-byte UTF-8 character split over
+byte-fallback tokens decodes to U+FFFD until its last byte arrives. So each new token is decoded
+together with a few tokens before it (the window `tokens[prefix_offset:]`), and text is emitted
+only once it no longer ends in U+FFFD:
+
+    tokens:  | ... prompt ... | out0 out1 out2 |
+                   ^prefix_offset   ^read_offset
+    new text = decode(tokens[prefix_offset:]) minus decode(tokens[prefix_offset:read_offset])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# Tokens of context decoded in front of new ones: enough for any decoder's leading-space rule.
+_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = tuple(stop)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.min_tokens = min_tokens
+        self.tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.num_output_tokens = 0
+        self.output_text = ""
+        self._num_streamed = 0  # chars of output_text already handed out as deltas
+        # A stop string may straddle deltas: hold back what could be its beginning.
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, token_ids: Sequence[int]) -> str | None:
+        """Append new output tokens. Returns the stop string that matched, if one did; the text
+        is then cut at it (after it, with include_stop_str_in_output)."""
+        for token_id in token_ids:
+            self.tokens.append(token_id)
+            self.num_output_tokens += 1
+            prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+            new_text = self._decode(self.tokens[self.prefix_offset :])
+            if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+                continue  # an incomplete character, or a token that decodes to nothing yet
+            start = len(self.output_text)
+            self.output_text += new_text[len(prefix_text) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            if self.stop and self.num_output_tokens > self.min_tokens:
+                matched = self._find_stop(start)
+                if matched is not None:
+                    return matched
+        return None
+
+    def _find_stop(self, new_text_start: int) -> str | None:
+        """Earliest stop string that ends inside the new text; truncates output_text there."""
+        best: tuple[int, str] | None = None
+        for stop in self.stop:
+            index = self.output_text.find(stop, max(0, new_text_start - len(stop) + 1))
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        end = index + len(stop) if self.include_stop_str_in_output else index
+        self.output_text = self.output_text[:end]
+        return stop
+
+    def take_delta(self, finished: bool) -> str:
+        """The text not handed out yet, less what could still become a stop string."""
+        end = len(self.output_text) if finished or not self.stop else len(self.output_text) - self._holdback
+        if end <= self._num_streamed:
+            return ""
+        delta = self.output_text[self._num_streamed : end]
+        self._num_streamed = end
+        return delta
