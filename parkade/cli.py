@@ -1,7 +1,7 @@
 """The `parkade` command.
 
-    parkade offline "prompt" [--model DIR] [--max-tokens N] [--temperature T] [--seed S]
-        run the in-process engine on one prompt and stream the completion to stdout
+parkade offline "prompt" [--model DIR] [--max-tokens N] [--temperature T] [--seed S]
+    run the in-process engine on one prompt and stream the completion to stdout
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def _offline(args: argparse.Namespace) -> int:
             sys.stdout.write(text[printed:])
             sys.stdout.flush()
             printed = len(text)
-        sys.stdout.write(f"\n[finish_reason={output.outputs[0].finish_reason}, tokens={len(output.outputs[0].token_ids)}]\n")
+        completion = output.outputs[0]
+        num_tokens = len(completion.token_ids)
+        sys.stdout.write(f"\n[finish_reason={completion.finish_reason}, tokens={num_tokens}]\n")
         await engine.shutdown()
 
     asyncio.run(run())

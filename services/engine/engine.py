@@ -57,7 +57,9 @@ class Engine:
             request.request_id, prompt, list(request.prompt_token_ids), request.sampling_params
         )
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+    ) -> None:
         self.add_prepared(*self.prepare(request_id, prompt, params, priority))
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -1,8 +1,8 @@
 """`LLM`: the offline API, shaped like vLLM's so that vLLM scripts run unchanged.
 
-    llm = LLM(model="path/to/hf-folder", max_num_seqs=64)
-    outputs = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=32))
-    print(outputs[0].outputs[0].text)
+llm = LLM(model="path/to/hf-folder", max_num_seqs=64)
+outputs = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=32))
+print(outputs[0].outputs[0].text)
 """
 
 from __future__ import annotations

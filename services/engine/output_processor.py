@@ -89,7 +89,9 @@ class OutputProcessor:
             return
         for position in event.logprobs:
             entry: dict[int, Logprob] = {}
-            for token_id, logprob, rank in zip(position.token_ids, position.logprobs, position.ranks, strict=True):
+            for token_id, logprob, rank in zip(
+                position.token_ids, position.logprobs, position.ranks, strict=True
+            ):
                 decoded = self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
                 entry.setdefault(token_id, Logprob(logprob, rank, decoded))
             completion.logprobs.append(entry)

@@ -1,9 +1,9 @@
 """`Executor`: owns the model and the physical KV pool; turns a `StepPlan` into a `StepResult`.
 
-    execute(plan):  1. drop finished and preempted requests' state
-                    2. add new requests, extend running ones' block tables
-                    3. one forward pass over the flattened batch (prefill chunks and decodes mixed)
-                    4. sample one token for each request that reached the end of its tokens
+execute(plan):  1. drop finished and preempted requests' state
+                2. add new requests, extend running ones' block tables
+                3. one forward pass over the flattened batch (prefill chunks and decodes mixed)
+                4. sample one token for each request that reached the end of its tokens
 """
 
 from __future__ import annotations

@@ -100,6 +100,7 @@ SCENARIOS = {
     "staggered_arrivals": (dict(block_size=8), [0, 0, 1, 2, 3, 3, 5, 8, 9, 12, 13, 14, 20, 21, 22, 30]),
     "chunked_prefill": (dict(block_size=4, max_num_batched_tokens=16), [0, 1, 2, 3] * 4),
     "tiny_pool_preemption": (dict(block_size=4, num_blocks=36), [0] * 16),  # 144 slots: the longest request
+    "reserve_admission_priority": (dict(admission="reserve", scheduling_policy="priority"), [0] * 16),
 }
 
 
@@ -132,5 +133,8 @@ def test_llm_generate_matches_transformers_on_stories260k():
     for output, exp, text in zip(outputs, expected, texts, strict=True):
         assert output.prompt == text and output.prompt_token_ids == tok.encode(text)
         assert output.outputs[0].token_ids == exp
-        assert output.outputs[0].text == tok.decode(tok.encode(text) + exp, skip_special_tokens=True)[len(text) :]
+        assert (
+            output.outputs[0].text
+            == tok.decode(tok.encode(text) + exp, skip_special_tokens=True)[len(text) :]
+        )
     assert outputs[0].outputs[0].text.startswith(", there was a little girl named Lily")

@@ -1,0 +1,253 @@
+"""Parkade's decoder for the Llama, Mistral and Qwen2 families, over the paged KV pool.
+
+One forward call computes a flattened batch of tokens from many requests (see
+`kernels/metadata.py`):
+
+    input_ids [num_tokens] -> embed -> N x DecoderLayer -> norm -> hidden [num_tokens, hidden_size]
+    DecoderLayer: h += o_proj(attn(rope(q), rope(k), v));  h += down(silu(gate(norm(h))) * up(norm(h)))
+
+Parameter names equal the Hugging Face checkpoint names, so loading is a name-checked copy.
+Numerics follow transformers where it is cheap: RMSNorm in fp32 cast back before the weight, RoPE
+cos/sin computed in fp32 and cast to the model dtype, scale head_dim ** -0.5.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parkade.kernels import attention_torch
+from parkade.kernels.metadata import AttentionMetadata
+from parkade.services.executor.model_config import ModelConfig
+from parkade.services.executor.weights import iterate_weights
+
+__all__ = ["AttentionBackend", "DecoderLM", "load_model"]
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+
+
+class AttentionBackend(Protocol):
+    """What an attention layer calls; `parkade.kernels.attention_torch` (a module) is one.
+
+    A Triton backend provides the same two functions with the same signatures.
+    """
+
+    def write_kv_cache(
+        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...  # fmt: skip
+
+    def paged_attention_varlen(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cu_seqlens_q: torch.Tensor,
+        max_seqlen_q: int, seqused_k: torch.Tensor, max_seqlen_k: int, softmax_scale: float,
+        block_table: torch.Tensor, sliding_window: int | None = None, query_lens: tuple[int, ...] = (),
+        seq_lens: tuple[int, ...] = (),
+    ) -> torch.Tensor: ...  # fmt: skip
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As transformers' LlamaRMSNorm: normalize in fp32, cast back, then scale.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """cos/sin tables `[num_positions, head_dim]` in the model dtype, grown on demand.
+
+    Built from fp32 inverse frequencies exactly as transformers' rotary embedding computes them per
+    call (positions * inv_freq in fp32, duplicated halves, cos/sin, cast), so the values are equal.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.inv_freq = config.rope.inv_freq(config.head_dim)  # [head_dim // 2] fp32, CPU
+        self.dtype = config.dtype
+        self.min_len = config.max_position_embeddings
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def __call__(self, positions: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`positions` [num_tokens], all < max_len -> cos, sin [num_tokens, 1, head_dim]."""
+        if self.cos is None or self.cos.shape[0] < max_len or self.cos.device != positions.device:
+            self._build(
+                max(max_len, self.min_len, 2 * (0 if self.cos is None else self.cos.shape[0])),
+                positions.device,
+            )
+        assert self.cos is not None and self.sin is not None
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def _build(self, length: int, device: torch.device) -> None:
+        freqs = torch.arange(length, device=device).float()[:, None] * self.inv_freq.to(device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [length, head_dim] fp32
+        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [num_tokens, heads, head_dim]; cos/sin [num_tokens, 1, head_dim]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        hidden, dtype, d = config.hidden_size, config.dtype, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, d
+        )  # fmt: skip
+        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=config.qkv_bias, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=config.qkv_bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=config.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=config.o_proj_bias, dtype=dtype)
+        self.scale = d**-0.5
+        self.sliding_window = config.layer_sliding_window(layer)
+        self.backend = backend  # a plain attribute: swapped by DecoderLM.set_attention_backend
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = _apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = _apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        # Write first: this step's queries attend to this step's keys through the pool.
+        self.backend.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
+        out = self.backend.paged_attention_varlen(
+            q, k_cache, v_cache,
+            cu_seqlens_q=md.cu_seqlens_q, max_seqlen_q=md.max_seqlen_q,
+            seqused_k=md.seqused_k, max_seqlen_k=md.max_seqlen_k,
+            softmax_scale=self.scale, block_table=md.block_table, sliding_window=self.sliding_window,
+            query_lens=md.query_lens, seq_lens=md.seq_lens,
+        )  # fmt: skip
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden, inter, bias, dtype = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.mlp_bias,
+            config.dtype,
+        )
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.self_attn = Attention(config, layer, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, md)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """The `model.` prefix of the checkpoint names: embedding, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+
+class DecoderLM(nn.Module):
+    """Decoder-only causal LM over a paged KV pool. Build it with `load_model`."""
+
+    def __init__(self, config: ModelConfig, attention_backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, attention_backend or attention_torch)
+        # NOTE: tied embeddings get no lm_head module at all (rather than a shared Parameter), so
+        # the parameter names are exactly the checkpoint's and meta-device building cannot untie.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=config.dtype)
+        )
+        self.rotary = RotaryEmbedding(config)
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """Route every layer's attention through `backend` (e.g. a Triton one)."""
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64, each < attn_metadata.max_seqlen_k
+        kv_caches: list[KVCache],  # one per layer
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Compute one step's tokens, writing their K/V into the pool; -> hidden [num_tokens, hidden]."""
+        cos, sin = self.rotary(positions, attn_metadata.max_seqlen_k)
+        h = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, attn_metadata)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+
+
+def load_model(
+    config: ModelConfig, device: torch.device | str, attention_backend: AttentionBackend | None = None
+) -> DecoderLM:
+    """Build the model on `device` in `config.dtype` and copy in every checkpoint weight.
+
+    Raises ValueError naming every missing or unexpected weight, or a shape mismatch.
+    """
+    # Build on the meta device: no memory and no random init for weights we overwrite anyway.
+    with torch.device("meta"):
+        model = DecoderLM(config, attention_backend)
+    model.to_empty(device=device)
+    model.requires_grad_(False)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in iterate_weights(config.model_dir):
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue  # a tied checkpoint may still store the (identical) head
+        param = params.get(name)
+        if param is None:
+            unexpected.append(name)
+            continue
+        if param.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+        param.copy_(tensor)
+        loaded.add(name)
+    missing = sorted(params.keys() - loaded)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {config.model_dir} does not match {config.architecture}: "
+            f"missing weights {missing}, unexpected weights {sorted(unexpected)}"
+        )
+    return model.eval()

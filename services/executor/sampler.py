@@ -1,0 +1,215 @@
+"""Batched sampling: one token for every request that reached the end of its known tokens.
+
+Per row, in this order (vLLM's semantics):
+
+    raw logits ──> logprobs (log_softmax of the RAW logits, if requested)
+      │
+      ├─ repetition penalty over prompt + output ids (logit > 0: divided; < 0: multiplied)
+      ├─ frequency / presence penalties over output ids: logit -= f * count + p * (count > 0)
+      ├─ fewer than min_tokens outputs: EOS ids and stop_token_ids -> -inf
+      ├─ temperature == 0: argmax                                   (greedy rows end here)
+      └─ / temperature -> top_k -> top_p -> min_p -> softmax -> sample
+
+NOTE: sampling uses the exponential race: argmax(probs / E) with E ~ Exponential(1) i.i.d. per
+token draws exactly from Categorical(probs) (it is the Gumbel-max trick in another form). Unlike
+`torch.multinomial` it needs no host sync, is invariant to unnormalized probs, and lets every row
+take its noise from its own generator: a seeded row draws E from a fresh generator seeded with a
+pure function of (seed, number of output tokens so far), so it samples the same token alone, in
+any batch, and after being preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from parkade.schemas.engine import TokenLogprobs
+from parkade.schemas.sampling import SamplingParams
+
+__all__ = ["Sampler", "SamplingRow", "row_seed"]
+
+_MASK64 = (1 << 64) - 1
+
+
+class SamplingRow(Protocol):
+    """One request that samples this step (the executor's per-request state satisfies it)."""
+
+    sampling_params: SamplingParams
+    token_ids: Sequence[int]  # prompt + outputs so far
+    num_prompt_tokens: int
+    eos_token_ids: tuple[int, ...]
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def row_seed(seed: int, num_output_tokens: int) -> int:
+    """The generator seed of a seeded request at one output position: a pure function of both."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ num_output_tokens)
+
+
+class Sampler:
+    """Chooses one token per row; see the module docstring for the order of operations."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [n, vocab] float32, row i belongs to rows[i]
+        rows: Sequence[SamplingRow],
+        generator: torch.Generator | None = None,
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """-> (sampled token id per row, logprobs per row or None where not requested).
+
+        Unseeded rows draw from `generator` (torch's default generator when None).
+        """
+        if len(rows) != logits.shape[0]:
+            raise ValueError(f"{len(rows)} rows for {logits.shape[0]} rows of logits")
+        if not rows:
+            return [], []
+        params = [r.sampling_params for r in rows]
+        # A private copy: penalties and masks must not leak into the caller's (raw) logits.
+        x = _apply_penalties(logits.to(torch.float32, copy=True), rows)
+        _mask_min_tokens(x, rows)
+        sampled = x.argmax(dim=-1)  # [n]: the answer for greedy rows
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=x.device)
+            probs = _filtered_probs(x[idx], [params[i] for i in random_rows])
+            sampled[idx] = _exponential_race(probs, [rows[i] for i in random_rows], generator)
+        token_ids = sampled.tolist()
+        return token_ids, _logprobs(logits, sampled, params)
+
+
+def _padded_ids(rows: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """[n, longest] int64, short rows padded with `pad` (at least one column)."""
+    width = max([1, *map(len, rows)])
+    return torch.tensor([[*r, *[pad] * (width - len(r))] for r in rows], dtype=torch.int64, device=device)
+
+
+def _token_counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[n, vocab] float32: how often each token id occurs in each row."""
+    ids = _padded_ids(rows, vocab, device)  # the pad lands in a spare column, dropped below
+    counts = torch.zeros(len(rows), vocab + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition, then frequency/presence penalties. x [n, vocab] is not modified."""
+    vocab = x.shape[1]
+    params = [r.sampling_params for r in rows]
+    # Rows without a penalty contribute no ids, so they pay nothing for their context length.
+    if any(p.repetition_penalty != 1.0 for p in params):
+        ids = [r.token_ids if p.repetition_penalty != 1.0 else () for r, p in zip(rows, params, strict=True)]
+        seen = _token_counts(ids, vocab, x.device) > 0
+        rp = torch.tensor([p.repetition_penalty for p in params], device=x.device)[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        outputs = [
+            r.token_ids[r.num_prompt_tokens :] if p.frequency_penalty or p.presence_penalty else ()
+            for r, p in zip(rows, params, strict=True)
+        ]
+        counts = _token_counts(outputs, vocab, x.device)
+        freq = torch.tensor([p.frequency_penalty for p in params], device=x.device)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=x.device)[:, None]
+        x = x - freq * counts - pres * (counts > 0)
+    return x
+
+
+def _mask_min_tokens(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: rows with fewer than min_tokens outputs cannot end (EOS and stop ids -> -inf)."""
+    vocab = x.shape[1]
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, r in enumerate(rows):
+        p = r.sampling_params
+        if len(r.token_ids) - r.num_prompt_tokens < p.min_tokens:
+            banned = {t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < vocab}
+            row_idx += [i] * len(banned)
+            tok_idx += sorted(banned)
+    if row_idx:
+        x[torch.tensor(row_idx, device=x.device), torch.tensor(tok_idx, device=x.device)] = float("-inf")
+
+
+def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """x [m, vocab] penalized logits of non-greedy rows -> unnormalized probs, filtered tokens 0."""
+    vocab = x.shape[1]
+    dev = x.device
+    x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    if any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params):
+        # One descending sort serves both: top-k keeps values >= the k-th largest (ties kept),
+        # top-p keeps the smallest prefix whose mass (after top-k) reaches top_p.
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        kth = sorted_x.gather(1, torch.tensor(top_k, device=dev)[:, None] - 1)
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        # top_p == 1 must keep everything, even where the cumulative sum rounds above 1.
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=dev)
+        probs = sorted_x.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # the first token always stays
+        sorted_x = sorted_x.masked_fill(mass_before > top_p[:, None], float("-inf"))
+        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+    probs = x.softmax(dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs  # not renormalized: the exponential race does not need it
+
+
+def _exponential_race(
+    probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None
+) -> torch.Tensor:
+    """probs [m, vocab] -> [m] token ids, argmax(probs / E) with per-row noise E ~ Exp(1)."""
+    m, vocab = probs.shape
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(rows) if r.sampling_params.seed is None]
+    if len(unseeded) == m:
+        noise.exponential_(generator=generator)
+    else:
+        if unseeded:
+            idx = torch.tensor(unseeded, device=probs.device)
+            noise[idx] = torch.empty(len(unseeded), vocab, device=probs.device).exponential_(
+                generator=generator
+            )
+        for i, r in enumerate(rows):
+            seed = r.sampling_params.seed
+            if seed is not None:
+                g = torch.Generator(device=probs.device)
+                g.manual_seed(row_seed(seed, len(r.token_ids) - r.num_prompt_tokens))
+                # A standalone [vocab] draw: identical whatever the batch around this row.
+                noise[i] = torch.empty(vocab, device=probs.device).exponential_(generator=g)
+    # A zero draw over a zero prob would give nan, which argmax would pick.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _logprobs(
+    logits: torch.Tensor, sampled: torch.Tensor, params: list[SamplingParams]
+) -> list[TokenLogprobs | None]:
+    """Logprobs of the raw logits: the sampled token with its rank, then the top-k tokens."""
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not want:
+        return out
+    idx = torch.tensor(want, device=logits.device)
+    lp = torch.log_softmax(logits[idx].float(), dim=-1)  # [w, vocab]
+    chosen = sampled[idx][:, None]
+    chosen_lp = lp.gather(1, chosen)  # [w, 1]
+    ranks = ((lp > chosen_lp).sum(dim=-1) + 1).tolist()  # rank 1 = most likely
+    k = max(params[i].logprobs or 0 for i in want)
+    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], chosen[:, :0])
+    chosen_l, chosen_lp_l = chosen[:, 0].tolist(), chosen_lp[:, 0].tolist()
+    top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
+    for j, i in enumerate(want):
+        ki = params[i].logprobs or 0
+        out[i] = TokenLogprobs(
+            token_ids=(chosen_l[j], *top_ids_l[j][:ki]),
+            logprobs=(chosen_lp_l[j], *top_lp_l[j][:ki]),
+            ranks=(ranks[j], *range(1, ki + 1)),
+        )
+    return out

@@ -1,0 +1,87 @@
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from parkade.services.tokenizer.detokenizer import IncrementalDetokenizer
+
+STORIES = Path(__file__).resolve().parents[3] / "shared/models/stories260K/hf"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(str(STORIES))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Once upon a time, there was a little girl named Lily.",
+        "héllo wörld: 😀 and 世界 and ü",  # multi-byte UTF-8 through byte-fallback tokens
+        "  leading spaces\nand\ttabs  ",
+        "😀😀",
+    ],
+)
+def test_incremental_text_equals_whole_decode(tok, text):
+    prompt = tok.encode("Tell me:")
+    output = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt)
+    streamed = ""
+    for token_id in output:
+        assert detok.add_tokens([token_id]) is None
+        delta = detok.take_delta(finished=False)
+        assert "\ufffd" not in delta, "a partial character escaped"
+        streamed += delta
+    streamed += detok.take_delta(finished=True)
+    whole = tok.decode(prompt + output, skip_special_tokens=True)
+    assert whole.endswith(detok.output_text)
+    assert streamed == detok.output_text
+    assert detok.output_text.strip() == text.strip()
+
+
+def test_byte_fallback_tokens_are_held_until_the_character_completes(tok):
+    output = tok.encode("😀", add_special_tokens=False)
+    byte_tokens = [t for t in output if tok.convert_ids_to_tokens(t).startswith("<0x")]
+    assert len(byte_tokens) == 4  # the emoji is four UTF-8 bytes, one token each
+    detok = IncrementalDetokenizer(tok, tok.encode("x"))
+    texts = []
+    for token_id in output:
+        detok.add_tokens([token_id])
+        texts.append(detok.output_text)
+    assert texts[-2].endswith("\ufffd") is False and "😀" not in texts[-2]
+    assert texts[-1].endswith("😀")
+
+
+def split(tok, text: str, prompt_words: int = 1) -> tuple[list[int], list[int]]:
+    """Token ids of `text` split after its first word, as a prompt and its continuation."""
+    ids = tok.encode(text)
+    n = len(tok.encode(" ".join(text.split(" ")[:prompt_words])))
+    return ids[:n], ids[n:]
+
+
+def test_stop_string_cuts_the_text_and_is_found_across_tokens(tok):
+    prompt, output = split(tok, "Once there was a little girl named Lily. She")
+    detok = IncrementalDetokenizer(tok, prompt, stop=("girl named",))
+    matched = None
+    for token_id in output:
+        matched = detok.add_tokens([token_id])
+        if matched:
+            break
+    assert matched == "girl named"
+    assert detok.output_text == " there was a little "
+    with_stop = IncrementalDetokenizer(tok, prompt, stop=("girl named",), include_stop_str_in_output=True)
+    for token_id in output:
+        if with_stop.add_tokens([token_id]):
+            break
+    assert with_stop.output_text == " there was a little girl named"
+
+
+def test_streaming_holds_back_a_possible_stop_string_prefix(tok):
+    prompt, output = split(tok, "Once named Lily")
+    detok = IncrementalDetokenizer(tok, prompt, stop=("Lily!",))
+    detok.add_tokens(output)
+    assert detok.output_text == " named Lily"
+    # "Lily" could still become "Lily!": the last len("Lily!") - 1 = 4 characters wait.
+    assert detok.take_delta(finished=False) == " named "
+    assert detok.take_delta(finished=False) == ""
+    assert detok.take_delta(finished=True) == "Lily"

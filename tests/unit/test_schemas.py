@@ -1,0 +1,101 @@
+import msgspec
+import pytest
+
+from parkade.schemas import (
+    CachedRequestData,
+    EngineRequest,
+    GenerateRequest,
+    NewRequestData,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", -0.1, "temperature must be >= 0"),
+        ("top_p", 0.0, "top_p must be in (0, 1]"),
+        ("top_p", 1.5, "top_p must be in (0, 1]"),
+        ("top_k", -2, "top_k must be -1, 0 (disabled) or >= 1"),
+        ("min_p", 1.1, "min_p must be in [0, 1]"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+        ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
+        ("frequency_penalty", -3.0, "frequency_penalty must be in [-2, 2]"),
+        ("max_tokens", 0, "max_tokens must be >= 1 or None"),
+        ("min_tokens", -1, "min_tokens must be >= 0"),
+        ("logprobs", 21, "logprobs must be in [0, 20] or None"),
+        ("seed", 2**63, "seed must be a 64-bit signed integer"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field_and_range(field, value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        SamplingParams(**{field: value})
+    # The same check runs when the struct is decoded off the wire.
+    with pytest.raises(msgspec.ValidationError, match=field):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({field: value}), type=SamplingParams)
+
+
+def test_min_tokens_above_max_tokens_is_refused():
+    with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(4\)"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_stop_accepts_a_string_or_a_list():
+    assert SamplingParams(stop="x").stop == ("x",)
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).stop == ("a", "b")
+    assert SamplingParams(stop_token_ids=[3]).stop_token_ids == (3,)
+    assert SamplingParams(temperature=0).greedy
+
+
+def test_generate_request_needs_exactly_one_prompt():
+    with pytest.raises(ValueError, match="exactly one of prompt and prompt_token_ids"):
+        GenerateRequest(request_id="a")
+    with pytest.raises(ValueError, match="exactly one"):
+        GenerateRequest(request_id="a", prompt="x", prompt_token_ids=(1,))
+    with pytest.raises(ValueError, match="prompt_token_ids must be non-empty"):
+        EngineRequest(request_id="a", prompt_token_ids=(), sampling_params=SamplingParams())
+
+
+def test_step_messages_round_trip_through_msgpack():
+    plan = StepPlan(
+        step_id=3,
+        new_requests=(
+            NewRequestData(
+                request_id="a",
+                token_ids=(1, 2, 3),
+                num_prompt_tokens=3,
+                sampling_params=SamplingParams(temperature=0.5, stop=("x",)),
+                block_ids=(4, 5),
+                num_computed_tokens=0,
+                eos_token_ids=(2,),
+            ),
+        ),
+        cached_requests=(CachedRequestData(request_id="b", new_block_ids=(9,), num_computed_tokens=17),),
+        num_scheduled_tokens={"a": 3, "b": 1},
+        finished_request_ids=("c",),
+    )
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=StepPlan) == plan
+    result = StepResult(
+        step_id=3,
+        request_ids=("a", "b"),
+        sampled_token_ids=(7, 8),
+        logprobs=(TokenLogprobs(token_ids=(7, 1), logprobs=(-0.1, -0.2), ranks=(1, 2)), None),
+    )
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(result), type=StepResult) == result
+
+
+def test_a_running_request_costs_the_same_bytes_at_any_context_length():
+    def size(num_computed: int) -> int:
+        plan = StepPlan(
+            step_id=1,
+            cached_requests=(
+                CachedRequestData(request_id="a", new_block_ids=(), num_computed_tokens=num_computed),
+            ),
+            num_scheduled_tokens={"a": 1},
+        )
+        return len(msgspec.msgpack.encode(plan))
+
+    assert size(1_000) == size(60_000)
