@@ -22,6 +22,10 @@ class FakeExecutor:
         self.block_tables: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
         self.sampled: dict[str, list[int]] = {}  # every token sampled, per request, never dropped
+        # What each KV slot holds: (position, token id) of the token whose K/V was written there.
+        # Reads check it, so a prefix-cache hit on a block that was never computed (or was
+        # overwritten) fails here; needs block_size.
+        self.slots: dict[int, tuple[int, int]] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.finished_request_ids + plan.preempted_request_ids:
@@ -36,12 +40,12 @@ class FakeExecutor:
         for cached in plan.cached_requests:
             assert self.num_computed[cached.request_id] == cached.num_computed_tokens
             self.block_tables[cached.request_id].extend(cached.new_block_ids)
+        if self.block_size is not None:
+            self._check_kv(plan)
         request_ids, sampled = [], []
         for request_id, n in plan.num_scheduled_tokens.items():
             end = self.num_computed[request_id] + n
             assert end <= len(self.token_ids[request_id])
-            if self.block_size is not None:
-                assert len(self.block_tables[request_id]) * self.block_size >= end, "too few blocks"
             self.num_computed[request_id] = end
             if end == len(self.token_ids[request_id]):
                 token = self.rng.randrange(self.vocab_size)
@@ -52,3 +56,22 @@ class FakeExecutor:
         return StepResult(
             step_id=plan.step_id, request_ids=tuple(request_ids), sampled_token_ids=tuple(sampled)
         )
+
+    def _slot(self, request_id: str, position: int) -> int:
+        assert self.block_size is not None
+        table = self.block_tables[request_id]
+        assert position // self.block_size < len(table), f"{request_id}: too few blocks"
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _check_kv(self, plan: StepPlan) -> None:
+        """Write this step's K/V, then check every token each request attends to (as one layer
+        of the forward pass does: all writes, then all reads)."""
+        for request_id, n in plan.num_scheduled_tokens.items():
+            tokens, start = self.token_ids[request_id], self.num_computed[request_id]
+            for pos in range(start, start + n):
+                self.slots[self._slot(request_id, pos)] = (pos, tokens[pos])
+        for request_id, n in plan.num_scheduled_tokens.items():
+            tokens = self.token_ids[request_id]
+            for pos in range(self.num_computed[request_id] + n):
+                held = self.slots.get(self._slot(request_id, pos))
+                assert held == (pos, tokens[pos]), f"{request_id} reads {held} at {pos}, not {tokens[pos]}"

@@ -141,7 +141,12 @@ def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     vocab = x.shape[1]
     dev = x.device
     x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
-    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    if any(p.min_p > 0.0 for p in params):
+        # vLLM's order: min_p first (relative to the most likely token), then top-k and top-p.
+        min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+        probs = x.softmax(dim=-1)
+        x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     if any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params):
         # One descending sort serves both: top-k keeps values >= the k-th largest (ties kept),
         # top-p keeps the smallest prefix whose mass (after top-k) reaches top_p.
@@ -155,9 +160,6 @@ def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
         sorted_x = sorted_x.masked_fill(mass_before > top_p[:, None], float("-inf"))
         x = torch.empty_like(x).scatter_(1, order, sorted_x)
     probs = x.softmax(dim=-1)
-    if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
-        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     return probs  # not renormalized: the exponential race does not need it
 
 

@@ -15,7 +15,10 @@ A cache hit on a free cached block takes it out of the queue again ("touch").
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
+
+# Opaque to the pool; the KV cache manager uses `request.BlockHash` (sha256 digests).
+BlockHash = Hashable
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -29,8 +32,8 @@ class KVBlock:
         self.block_id = block_id
         self.ref_cnt = 0
         # Set while the block holds a full, hashed prefix block (until evicted).
-        self.block_hash: int | None = None
-        self.parent_hash: int | None = None
+        self.block_hash: BlockHash | None = None
+        self.parent_hash: BlockHash | None = None
         self.token_ids: tuple[int, ...] = ()
 
 
@@ -42,7 +45,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, int] = {}  # block_hash -> block_id
+        self._cached: dict[BlockHash, int] = {}  # block_hash -> block_id
         self.num_evictions = 0
 
     @property
@@ -95,7 +98,9 @@ class BlockPool:
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
 
-    def lookup(self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> int | None:
+    def lookup(
+        self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: tuple[int, ...]
+    ) -> int | None:
         """The block holding exactly this prefix block, or None. Hash hits are confirmed by
         comparing the parent hash and the token ids, so a hash collision is only a miss."""
         block_id = self._cached.get(block_hash)
@@ -107,7 +112,7 @@ class BlockPool:
         return block_id
 
     def cache_block(
-        self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]
+        self, block_id: int, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: tuple[int, ...]
     ) -> None:
         """Register a used, now full block under its chained hash.
 

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from parkade.services.scheduler.block_pool import BlockPool
-from parkade.services.scheduler.request import Request
+from parkade.services.scheduler.request import BlockHash, Request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -58,16 +58,19 @@ class KVCacheManager:
         hashes = request.update_block_hashes()
         max_blocks = min(len(hashes), (request.num_tokens - 1) // self.block_size)
         hits: list[int] = []
-        parent: int | None = None
+        parent: BlockHash | None = None
         for i in range(max_blocks):
             block_id = self.pool.lookup(hashes[i], parent, request.block_token_ids(i))
             if block_id is None:
                 break
             hits.append(block_id)
             parent = hashes[i]
-        self.num_prefix_queries += request.num_tokens
-        self.num_prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        """Count an admitted request's prefix lookup toward the hit rate (not retries)."""
+        self.num_prefix_queries += request.num_tokens
+        self.num_prefix_hits += num_hit_tokens
 
     def allocate_slots(
         self,
@@ -96,19 +99,19 @@ class KVCacheManager:
         new_block_ids = self.pool.allocate(num_needed)
         table.extend(new_block_ids)
         self.block_tables[request.request_id] = table
-        self._cache_full_blocks(request, table, num_computed + num_new_tokens)
         return new_block_ids
 
-    def _cache_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
-        """Register the blocks that `num_tokens` tokens (once computed) fill completely.
+    def cache_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's blocks that its first `num_computed_tokens` tokens fill.
 
-        NOTE: a block is registered when it is scheduled, before the step computes it. A request
-        that hits it in the same step attends to it in the same forward pass, where every layer
-        writes the step's KV before it reads any; so the hit is safe.
+        NOTE: call this only once the step that computed them has run (the scheduler does, in
+        `update`). Registering at scheduling time would let a request preempted before its step
+        leave a hashed block whose KV was never written, and a later hit would read garbage.
         """
-        if not self.enable_caching:
+        table = self.block_tables.get(request.request_id)
+        if not self.enable_caching or table is None:
             return
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
         start = self._num_hashed_blocks.get(request.request_id, 0)
         if num_full <= start:
             return

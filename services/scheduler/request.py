@@ -10,6 +10,8 @@ flight). It only moves back on preemption, to 0: the request is recomputed from 
 from __future__ import annotations
 
 import enum
+import hashlib
+from array import array
 
 from parkade.schemas import EngineRequest, FinishReason, SamplingParams
 
@@ -21,13 +23,20 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash of one full block: it identifies the whole prefix up to the block's end.
+# A chained block hash: it identifies the whole prefix up to the end of its block.
+BlockHash = bytes
 
-    NOTE: Python's hash of ints and tuples is not salted, so it is stable across processes.
-    Collisions are harmless: a hit is confirmed by comparing the parent hash and token ids.
+
+def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> BlockHash:
+    """sha256(parent hash + the block's token ids).
+
+    NOTE: a cryptographic hash rather than Python's `hash`: with a predictable 64-bit hash a
+    client could craft two prefixes whose parents collide and read another request's KV. A hit is
+    also confirmed by comparing the parent hash and the token ids.
     """
-    return hash((parent_hash, token_ids))
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class Request:
@@ -48,7 +57,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         # block_hashes[i] covers all_token_ids[: (i + 1) * block_size]; grows with the tokens.
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[BlockHash] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,7 +86,7 @@ class Request:
         start = index * self.block_size
         return tuple(self.all_token_ids[start : start + self.block_size])
 
-    def update_block_hashes(self) -> list[int]:
+    def update_block_hashes(self) -> list[BlockHash]:
         """Extend `block_hashes` to every full block of the known tokens; return them all."""
         num_full = self.num_tokens // self.block_size
         while len(self.block_hashes) < num_full:

@@ -53,6 +53,13 @@ class SchedulerConfig:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # A request resumed after preemption carries prompt + outputs; without chunking it
+            # must fit one step, or it could never run again.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is disabled"
+            )
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
 
@@ -110,11 +117,6 @@ class Scheduler:
             raise ValueError(
                 f"prompt of request {request_id!r} has {num_prompt} tokens, more than the KV pool "
                 f"holds ({self.config.num_blocks} blocks of {self.config.block_size} tokens)"
-            )
-        if not self.config.enable_chunked_prefill and num_prompt > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt of request {request_id!r} has {num_prompt} tokens, more than "
-                f"max_num_batched_tokens={self.config.max_num_batched_tokens} without chunked prefill"
             )
 
     def finish_request(
@@ -211,6 +213,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+            self.kv.record_admission(request, num_hit)
             scheduled[request.request_id] = num_new
             admitted.append(request)
             budget -= num_new
@@ -285,6 +288,12 @@ class Scheduler:
 
         Results for requests that finished or were preempted since the plan are dropped.
         """
+        # The step has run: the full blocks it computed can serve prefix hits from now on.
+        for data in (*plan.new_requests, *plan.cached_requests):
+            request = self.requests.get(data.request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                computed = data.num_computed_tokens + plan.num_scheduled_tokens[data.request_id]
+                self.kv.cache_computed_blocks(request, computed)
         outputs: list[GeneratedTokens] = []
         logprobs = result.logprobs or (None,) * len(result.request_ids)
         for request_id, token_id, token_logprobs in zip(

@@ -182,3 +182,17 @@ def test_empty_batch_and_row_count_mismatch():
     assert sample(torch.zeros(0, 10), [], None) == ([], [])
     with pytest.raises(ValueError, match="rows"):
         sample(torch.zeros(2, 10), [row()], None)
+
+
+def test_top_k_larger_than_the_vocabulary_keeps_everything():
+    rows = [row(top_k=1000, top_p=0.9), row(temperature=0.0)]
+    tokens, _ = sample(LOGITS.repeat(2, 1), rows, torch.Generator().manual_seed(0))
+    assert 0 <= tokens[0] < 8 and tokens[1] == 0
+
+
+def test_min_p_applies_before_top_p():
+    # min_p=0.3 keeps tokens 0-3 (p >= 0.09), renormalized to (0.35, 0.29, 0.24, 0.12); top_p=0.6
+    # over that keeps tokens 0 and 1. Applied the other way round, top_p=0.6 over the full
+    # distribution would keep token 2 as well (mass before it is 0.55).
+    counts = draw_many(min_p=0.3, top_p=0.6)
+    assert set(counts) == {0, 1}

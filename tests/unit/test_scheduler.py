@@ -179,9 +179,8 @@ def test_prompts_that_can_never_run_fail_at_once():
         s.add(req("long", 65))
     with pytest.raises(ValueError, match="KV pool holds"):
         s.add(req("big", 9))
-    s2 = sched(enable_chunked_prefill=False, max_num_batched_tokens=8)
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        s2.add(req("a", 9))
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_model_len \(64\)"):
+        sched(enable_chunked_prefill=False, max_num_batched_tokens=8)
     s.add(req("ok", 3))
     with pytest.raises(ValueError, match="already in use"):
         s.add(req("ok", 3))
@@ -228,3 +227,42 @@ def test_fake_executor_agrees_with_plans_through_a_whole_run():
         steps += 1
         assert steps < 200
     assert s.kv.num_free_blocks == 6
+
+
+def test_a_request_preempted_before_its_step_leaves_no_uncomputed_block_in_the_cache():
+    """Under the priority policy the victim can be a request already scheduled in this step.
+    Its blocks for this step were never computed, so none of them may serve a later prefix hit.
+    (Found by review; the fake executor checks every KV slot a request reads.)"""
+    s = sched(num_blocks=25, block_size=2, max_num_seqs=5, max_num_batched_tokens=28, max_model_len=48)
+    s = Scheduler(SchedulerConfig(**{**s.config.__dict__, "policy": "priority"}))
+    ex = FakeExecutor(vocab_size=1, block_size=2)  # every sampled token is 0: prefixes repeat
+    shapes = [(1, 1, 0)] * 4 + [(11, 5, 1), (17, 3, 3), (1, 1, 0), (1, 1, 0), (1, 2, 0), (1, 4, 0)]
+    pending = [
+        (
+            2 if i == 5 else 0,
+            EngineRequest(
+                request_id=f"r{i}",
+                prompt_token_ids=tuple([1, 2, 3, 4] * g + [0] * n),
+                sampling_params=SamplingParams(max_tokens=m, ignore_eos=True),
+                arrival_time=float(i),
+            ),
+        )
+        for i, (n, m, g) in enumerate(shapes)
+    ]
+    late = EngineRequest(
+        request_id="late",
+        prompt_token_ids=(0,) * 7,
+        sampling_params=SamplingParams(max_tokens=2, ignore_eos=True),
+        arrival_time=99.0,
+    )
+    pending.append((6, late))
+    step = 0
+    while pending or s.has_unfinished_requests():
+        for item in [p for p in pending if p[0] <= step]:
+            s.add(item[1])
+            pending.remove(item)
+        plan = s.schedule()
+        s.update(plan, ex.execute(plan))  # the fake asserts that every KV read is what was written
+        s.check_integrity()
+        step += 1
+    assert s.num_preemptions >= 1
