@@ -10,11 +10,11 @@ from parkade.schemas.engine import (
     GeneratedTokens,
     TokenLogprobs,
 )
+from parkade.schemas.events import TokenEvent, Usage
 from parkade.schemas.requests import AbortRequest, GenerateRequest
 from parkade.schemas.sampling import MAX_LOGPROBS, SamplingParams
 from parkade.schemas.steps import CachedRequestData, NewRequestData, StepPlan, StepResult
-
-SCHEMA_VERSION = 1
+from parkade.schemas.topics import SCHEMA_VERSION
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -30,5 +30,7 @@ __all__ = [
     "SamplingParams",
     "StepPlan",
     "StepResult",
+    "TokenEvent",
     "TokenLogprobs",
+    "Usage",
 ]

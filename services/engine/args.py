@@ -24,7 +24,8 @@ class EngineArgs:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # None: the model's max_position_embeddings, or what the KV pool holds if that is less.
+    max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     kv_cache_memory_bytes: int | None = None
@@ -75,6 +76,15 @@ def build_engine_parts(args: EngineArgs) -> tuple[ModelConfig, Scheduler, Execut
         attention_backend=args.attention_backend,
         seed=args.seed,
     )
+    pool_tokens = executor.num_blocks * args.block_size
+    if max_model_len > pool_tokens:
+        if args.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len={max_model_len} is more than the KV pool holds ({executor.num_blocks} blocks "
+                f"of {args.block_size} = {pool_tokens} tokens): raise kv_cache_memory_bytes or lower "
+                "max_model_len"
+            )
+        max_model_len = pool_tokens
     scheduler = Scheduler(
         SchedulerConfig(
             num_blocks=executor.num_blocks,

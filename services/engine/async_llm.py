@@ -21,6 +21,7 @@ from typing import Any
 
 from parkade.schemas import SamplingParams
 from parkade.services.engine.args import EngineArgs
+from parkade.services.engine.core import EngineDeadError
 from parkade.services.engine.engine import Engine, PromptType
 from parkade.services.engine.outputs import RequestOutput
 
@@ -32,6 +33,7 @@ class AsyncLLM:
         self._pending: list[tuple[str, Any]] = []  # ("add", (request, text)) | ("abort", request_id)
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
+        self._dead: EngineDeadError | None = None  # set once: a failed step, or shutdown
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -47,6 +49,8 @@ class AsyncLLM:
         """Stream one request's outputs until it finishes. Leaving the loop early (break,
         cancellation) aborts the request and frees its blocks."""
         request_id = request_id or uuid.uuid4().hex
+        if self._dead is not None:
+            raise self._dead
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request, text = self.engine.prepare(request_id, prompt, sampling_params or SamplingParams(), priority)
@@ -67,9 +71,12 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort". Idempotent."""
-        self._submit(("abort", request_id))
+        if self._dead is None:
+            self._submit(("abort", request_id))
 
     def _submit(self, command: tuple[str, Any]) -> None:
+        if self._dead is not None:
+            return  # nothing runs any more; open streams already got the error
         self._pending.append(command)
         if self._loop_task is None or self._loop_task.done():
             self._wakeup = asyncio.Event()
@@ -82,7 +89,12 @@ class AsyncLLM:
         for kind, arg in pending:
             if kind == "add":
                 request, text = arg
-                self.engine.add_prepared(request, text)
+                try:
+                    self.engine.add_prepared(request, text)
+                except ValueError as error:  # this request's fault: fail its stream only
+                    queue = self._queues.pop(request.request_id, None)
+                    if queue is not None:
+                        queue.put_nowait(error)
             else:
                 output = self.engine.abort(arg)
                 self._deliver([output] if output is not None else [])
@@ -108,14 +120,26 @@ class AsyncLLM:
                     continue
                 outputs = await asyncio.to_thread(self.engine.step)
                 self._deliver(outputs)
-        except Exception as error:  # a broken engine fails every open stream, not silently
+        except BaseException as error:
+            # A failed step or a shutdown ends every open stream with an error, never a hang.
+            # NOTE: a step cancelled mid-way still finishes in its worker thread; since the loop
+            # never restarts once dead, nothing touches the engine beside it.
+            if isinstance(error, asyncio.CancelledError):
+                self._dead = EngineDeadError("the engine was shut down")
+            else:
+                self._dead = EngineDeadError(f"the engine failed: {error!r}")
+                self._dead.__cause__ = error
             for queue in self._queues.values():
-                queue.put_nowait(error)
+                queue.put_nowait(self._dead)
             self._queues.clear()
-            raise
+            if isinstance(error, asyncio.CancelledError):
+                raise
 
     async def shutdown(self) -> None:
-        if self._loop_task is not None:
+        """Stop the engine loop; open streams end with EngineDeadError."""
+        if self._loop_task is not None and not self._loop_task.done():
             self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, EngineDeadError):
                 await self._loop_task
+        if self._dead is None:
+            self._dead = EngineDeadError("the engine was shut down")

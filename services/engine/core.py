@@ -15,15 +15,25 @@ from parkade.services.executor.executor import Executor
 from parkade.services.scheduler.scheduler import Scheduler
 
 
+class EngineDeadError(RuntimeError):
+    """A step failed, so scheduler and executor may disagree: the engine takes no more work."""
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        self.dead: BaseException | None = None
         # Called with each plan after scheduling (metrics, benchmarks); never changes behaviour.
         self.on_schedule: Callable[[StepPlan], None] | None = None
 
     def add_request(self, request: EngineRequest) -> None:
+        self._check_alive()
         self.scheduler.add(request)
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine failed earlier: {self.dead!r}") from self.dead
 
     def finish_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT, stop_reason: str | None = None
@@ -34,6 +44,7 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[GeneratedTokens]:
+        self._check_alive()
         plan = self.scheduler.schedule()
         if self.on_schedule is not None:
             self.on_schedule(plan)
@@ -44,5 +55,10 @@ class EngineCore:
                 raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}")
             if not plan.finished_request_ids:
                 return []
-        result = self.executor.execute(plan)
+        try:
+            result = self.executor.execute(plan)
+        except BaseException as error:
+            # The scheduler already counted the plan as computed; nothing can be trusted now.
+            self.dead = error
+            raise EngineDeadError(f"step {plan.step_id} failed: {error!r}") from error
         return self.scheduler.update(plan, result)

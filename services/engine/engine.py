@@ -38,6 +38,9 @@ class Engine:
 
         Raises ValueError for a prompt that could never run."""
         text, token_ids = self._tokenize(prompt)
+        vocab_size = self.model_config.vocab_size
+        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < vocab_size:
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab_size}) (the model's vocab_size)")
         request = EngineRequest(
             request_id=request_id,
             prompt_token_ids=tuple(token_ids),

@@ -71,11 +71,12 @@ class OutputProcessor:
             finish_reason, stop_reason = event.finish_reason, event.stop_reason
             if state.detokenizer is not None:
                 matched = state.detokenizer.add_tokens(event.token_ids)
-                completion.text = state.detokenizer.output_text
                 if matched is not None:
                     if finish_reason is None:  # the scheduler still runs it
                         stopped.append((event.request_id, matched))
                     finish_reason, stop_reason = FinishReason.STOP, matched
+                # A streamed text never shows what a stop string may still cut.
+                completion.text = state.detokenizer.text(finished=finish_reason is not None)
             if finish_reason is not None:
                 completion.finish_reason = str(finish_reason)
                 completion.stop_reason = stop_reason

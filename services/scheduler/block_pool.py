@@ -126,6 +126,14 @@ class BlockPool:
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self._cached[block_hash] = block_id
 
+    def uncache(self, block_id: int) -> None:
+        """Drop a used block's prefix registration (its K/V will never be computed)."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            assert block.ref_cnt > 0
+            del self._cached[block.block_hash]
+            block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         del self._cached[block.block_hash]

@@ -99,19 +99,20 @@ class KVCacheManager:
         new_block_ids = self.pool.allocate(num_needed)
         table.extend(new_block_ids)
         self.block_tables[request.request_id] = table
+        self._cache_full_blocks(request, table, num_computed + num_new_tokens)
         return new_block_ids
 
-    def cache_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the request's blocks that its first `num_computed_tokens` tokens fill.
+    def _cache_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
+        """Register the blocks that `num_tokens` tokens (once computed) fill completely.
 
-        NOTE: call this only once the step that computed them has run (the scheduler does, in
-        `update`). Registering at scheduling time would let a request preempted before its step
-        leave a hashed block whose KV was never written, and a later hit would read garbage.
+        NOTE: a block is registered when it is scheduled, before the step computes it, so that
+        requests admitted in the same step share it: every layer of the forward pass writes the
+        step's K/V before it reads any. A request preempted before its step ran must therefore
+        drop those registrations (`free(..., num_computed_tokens)`).
         """
-        table = self.block_tables.get(request.request_id)
-        if not self.enable_caching or table is None:
+        if not self.enable_caching:
             return
-        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
         start = self._num_hashed_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
@@ -121,16 +122,21 @@ class KVCacheManager:
             self.pool.cache_block(table[i], hashes[i], parent, request.block_token_ids(i))
         self._num_hashed_blocks[request.request_id] = num_full
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, num_computed_tokens: int | None = None) -> None:
         """Return a request's blocks. Idempotent.
 
-        Freed in reverse order, so that a request's tail blocks (the least likely to be shared)
-        are evicted before its head blocks.
+        `num_computed_tokens`: only that many tokens' K/V was (or will be) written, so blocks
+        past them lose their prefix-cache registration. Freed in reverse order, so that a
+        request's tail blocks (the least likely to be shared) are evicted before its head.
         """
         table = self.block_tables.pop(request.request_id, None)
         self._num_hashed_blocks.pop(request.request_id, None)
-        if table:
-            self.pool.free(reversed(table))
+        if not table:
+            return
+        if num_computed_tokens is not None:
+            for block_id in table[num_computed_tokens // self.block_size :]:
+                self.pool.uncache(block_id)
+        self.pool.free(reversed(table))
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks

@@ -275,8 +275,10 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
+        """Called while scheduling, before `num_computed_tokens` counts this step's tokens: blocks
+        the victim registered for this step are never computed, so they leave the cache."""
         self.running.remove(request)
-        self.kv.free(request)
+        self.kv.free(request, request.num_computed_tokens)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -288,12 +290,6 @@ class Scheduler:
 
         Results for requests that finished or were preempted since the plan are dropped.
         """
-        # The step has run: the full blocks it computed can serve prefix hits from now on.
-        for data in (*plan.new_requests, *plan.cached_requests):
-            request = self.requests.get(data.request_id)
-            if request is not None and request.status is RequestStatus.RUNNING:
-                computed = data.num_computed_tokens + plan.num_scheduled_tokens[data.request_id]
-                self.kv.cache_computed_blocks(request, computed)
         outputs: list[GeneratedTokens] = []
         logprobs = result.logprobs or (None,) * len(result.request_ids)
         for request_id, token_id, token_logprobs in zip(

@@ -42,7 +42,6 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         self.num_output_tokens = 0
         self.output_text = ""
-        self._num_streamed = 0  # chars of output_text already handed out as deltas
         # A stop string may straddle deltas: hold back what could be its beginning.
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
 
@@ -82,11 +81,9 @@ class IncrementalDetokenizer:
         self.output_text = self.output_text[:end]
         return stop
 
-    def take_delta(self, finished: bool) -> str:
-        """The text not handed out yet, less what could still become a stop string."""
-        end = len(self.output_text) if finished or not self.stop else len(self.output_text) - self._holdback
-        if end <= self._num_streamed:
-            return ""
-        delta = self.output_text[self._num_streamed : end]
-        self._num_streamed = end
-        return delta
+    def text(self, finished: bool) -> str:
+        """The text to show so far: all of it once finished; before that, less the tail that
+        could still become a stop string. It only grows (a stop string starts after it)."""
+        if finished or not self.stop:
+            return self.output_text
+        return self.output_text[: max(0, len(self.output_text) - self._holdback)]

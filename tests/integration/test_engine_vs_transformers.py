@@ -72,14 +72,17 @@ def reference(request, tmp_path_factory):
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
 
-def run(engine: Engine, prompts: list[list[int]], arrivals: list[int]) -> list[list[int]]:
+def run(
+    engine: Engine, prompts: list[list[int]], arrivals: list[int], priorities: list[int] | None = None
+) -> list[list[int]]:
     """Add prompt i at step arrivals[i]; step until every request finished."""
     done: dict[str, list[int]] = {}
     step = 0
     while len(done) < len(prompts):
         for i, prompt in enumerate(prompts):
             if arrivals[i] == step:
-                engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+                priority = priorities[i] if priorities else 0
+                engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY, priority)
         for output in engine.step():
             if output.finished:
                 done[output.request_id] = output.outputs[0].token_ids
@@ -99,9 +102,16 @@ SCENARIOS = {
     "all_at_once": (dict(block_size=16), [0] * 16),
     "staggered_arrivals": (dict(block_size=8), [0, 0, 1, 2, 3, 3, 5, 8, 9, 12, 13, 14, 20, 21, 22, 30]),
     "chunked_prefill": (dict(block_size=4, max_num_batched_tokens=16), [0, 1, 2, 3] * 4),
-    "tiny_pool_preemption": (dict(block_size=4, num_blocks=36), [0] * 16),  # 144 slots: the longest request
-    "reserve_admission_priority": (dict(admission="reserve", scheduling_policy="priority"), [0] * 16),
+    # 36 blocks of 4 = 144 slots: the longest request (120 + 24 tokens) alone.
+    "tiny_pool_preemption": (dict(block_size=4, num_blocks=36, max_model_len=144), [0] * 16),
+    # Priority preemption can pick a victim already scheduled in the same step.
+    "tiny_pool_priority": (
+        dict(block_size=4, num_blocks=36, max_model_len=144, scheduling_policy="priority"),
+        [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7],
+    ),
+    "reserve_admission": (dict(admission="reserve"), [0] * 16),
 }
+PRIORITIES = [2, 0, 1, 2, 0, 1, 1, 0, 2, 2, 0, 1, 0, 1, 2, 0]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -114,11 +124,11 @@ def test_greedy_tokens_equal_transformers(reference, scenario):
         block_bytes = bytes_per_block(config, kwargs["block_size"], torch.float32)
         kwargs["kv_cache_memory_bytes"] = kwargs.pop("num_blocks") * block_bytes
     engine = engine_for(model_dir, **kwargs)
-    got = run(engine, prompts, arrivals)
+    got = run(engine, prompts, arrivals, PRIORITIES if "priority" in scenario else None)
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"
     scheduler = engine.core.scheduler
-    if scenario == "tiny_pool_preemption":
+    if scenario.startswith("tiny_pool"):
         assert scheduler.num_preemptions > 0
     if scenario in ("all_at_once", "staggered_arrivals"):
         assert scheduler.kv.num_prefix_hits > 0, "prompts sharing a prefix must hit the cache"

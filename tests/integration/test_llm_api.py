@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from parkade import LLM, AsyncLLM, SamplingParams
+from parkade.services.engine.core import EngineDeadError
 
 STORIES = Path(__file__).resolve().parents[3] / "shared/models/stories260K/hf"
 
@@ -90,12 +91,18 @@ def test_impossible_prompts_fail_at_once_and_nothing_runs(llm):
     with pytest.raises(ValueError, match="max_model_len=256"):
         llm.generate(["Once upon a time", long_prompt], SamplingParams(max_tokens=5))
     assert not llm.engine.has_unfinished_requests()
-    small_pool = LLM(STORIES, dtype="float32", block_size=8, kv_cache_memory_bytes=4 * 8 * 1280)  # 4 blocks
+    four_blocks = dict(dtype="float32", block_size=8, kv_cache_memory_bytes=4 * 8 * 1280)
+    small_pool = LLM(STORIES, **four_blocks)
     assert small_pool.engine.core.scheduler.kv.num_blocks == 4
-    with pytest.raises(ValueError, match="KV pool holds"):
+    # Unset, max_model_len shrinks to what the pool holds; such a prompt is refused at once.
+    with pytest.raises(ValueError, match="max_model_len=32"):
         small_pool.generate({"prompt_token_ids": tok.encode("Once upon a time " * 10)})
+    with pytest.raises(ValueError, match="more than the KV pool holds"):
+        LLM(STORIES, max_model_len=64, **four_blocks)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         LLM(STORIES, max_model_len=1024)
+    with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, 512\)"):
+        llm.generate({"prompt_token_ids": [1, 512]})
 
 
 def test_priority_argument_and_token_id_prompts(llm):
@@ -125,7 +132,6 @@ def test_async_llm_streams_and_an_abort_frees_blocks():
             async for output in engine.generate("Lily", params, request_id="aborted"):
                 texts.append(output)
                 if len(output.outputs[0].token_ids) == 5:
-                    assert scheduler.kv.num_free_blocks < scheduler.kv.num_blocks
                     await engine.abort("aborted")
             return texts[-1]
 
@@ -148,6 +154,31 @@ def test_async_llm_streams_and_an_abort_frees_blocks():
         with pytest.raises(ValueError, match="max_model_len"):
             async for _ in engine.generate({"prompt_token_ids": [5] * 300}, params):
                 pass
-        await engine.shutdown()
+
+        async def consume():
+            async for _ in engine.generate("Tom", params, request_id="open"):
+                pass
+
+        stream = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        await engine.shutdown()  # an open stream ends with an error, never hangs
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(stream, timeout=5)
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate("Tom", params):
+                pass
 
     asyncio.run(main())
+
+
+def test_seeded_sampling_survives_preemption():
+    """A seeded request recomputed after preemption draws the same tokens as one never preempted."""
+    prompts = ["Once upon a time", "Lily and Tom", "The big dog", "One day"]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60, ignore_eos=True) for s in range(4)]
+    roomy = LLM(STORIES, dtype="float32", block_size=4, max_model_len=96)
+    tight = LLM(STORIES, dtype="float32", block_size=4, max_model_len=96, kv_cache_memory_bytes=40 * 4 * 1280)
+    expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
+    assert tight.engine.core.scheduler.num_preemptions > 0
+    assert roomy.engine.core.scheduler.num_preemptions == 0
+    assert got == expected

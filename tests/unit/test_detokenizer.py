@@ -26,16 +26,16 @@ def test_incremental_text_equals_whole_decode(tok, text):
     prompt = tok.encode("Tell me:")
     output = tok.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, prompt)
-    streamed = ""
+    shown = ""
     for token_id in output:
         assert detok.add_tokens([token_id]) is None
-        delta = detok.take_delta(finished=False)
-        assert "\ufffd" not in delta, "a partial character escaped"
-        streamed += delta
-    streamed += detok.take_delta(finished=True)
+        text = detok.text(finished=False)
+        assert "\ufffd" not in text, "a partial character escaped"
+        assert text.startswith(shown)  # streamed text only grows
+        shown = text
     whole = tok.decode(prompt + output, skip_special_tokens=True)
     assert whole.endswith(detok.output_text)
-    assert streamed == detok.output_text
+    assert detok.text(finished=True) == detok.output_text
     assert detok.output_text.strip() == text.strip()
 
 
@@ -82,6 +82,5 @@ def test_streaming_holds_back_a_possible_stop_string_prefix(tok):
     detok.add_tokens(output)
     assert detok.output_text == " named Lily"
     # "Lily" could still become "Lily!": the last len("Lily!") - 1 = 4 characters wait.
-    assert detok.take_delta(finished=False) == " named "
-    assert detok.take_delta(finished=False) == ""
-    assert detok.take_delta(finished=True) == "Lily"
+    assert detok.text(finished=False) == " named "
+    assert detok.text(finished=True) == " named Lily"

@@ -35,8 +35,6 @@ def test_identical_prefix_shares_physical_blocks():
     a = make("a", list(range(10)))
     assert kv.allocate_slots(a, 10) == [0, 1, 2]
     b = make("b", [*range(8), 99, 98, 97])
-    assert kv.match_prefix(b) == ([], 0)  # a's blocks are not computed yet: no hit
-    kv.cache_computed_blocks(a, 10)  # the step ran
     hits, num_hit = kv.match_prefix(b)
     assert (hits, num_hit) == ([0, 1], 8)
     assert kv.allocate_slots(b, 3, hits) == [3]
@@ -49,7 +47,6 @@ def test_a_fully_cached_prompt_leaves_one_token_to_compute():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     a = make("a", list(range(8)))
     kv.allocate_slots(a, 8)
-    kv.cache_computed_blocks(a, 8)
     kv.free(a)
     b = make("b", list(range(8)))
     hits, num_hit = kv.match_prefix(b)
@@ -60,7 +57,6 @@ def test_freed_cached_blocks_are_hits_until_evicted():
     kv = KVCacheManager(num_blocks=3, block_size=BS)
     a = make("a", list(range(9)))
     assert kv.allocate_slots(a, 9) == [0, 1, 2]
-    kv.cache_computed_blocks(a, 9)
     kv.free(a)  # blocks 0 and 1 are cached; block 2 (partial) is empty
     b = make("b", [50] * 5)
     assert kv.allocate_slots(b, 5) == [2, 1]  # the empty block, then the LRU cached block (the tail)
@@ -89,17 +85,19 @@ def test_without_caching_nothing_matches():
     kv = KVCacheManager(num_blocks=8, block_size=BS, enable_caching=False)
     a = make("a", list(range(10)))
     kv.allocate_slots(a, 10)
-    kv.cache_computed_blocks(a, 10)
     assert kv.match_prefix(make("b", list(range(10)))) == ([], 0)
     assert kv.pool.num_cached_blocks == 0
 
 
-def test_only_computed_full_blocks_are_registered():
+def test_only_scheduled_full_blocks_are_registered_and_uncomputed_ones_leave_on_free():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     a = make("a", list(range(12)))
-    kv.allocate_slots(a, 12)
-    kv.cache_computed_blocks(a, 6)  # a chunk of 6 tokens ran: only block 0 is full
+    kv.allocate_slots(a, 6)  # a chunk of 6 tokens: only block 0 is full
     assert kv.pool.num_cached_blocks == 1
-    kv.cache_computed_blocks(a, 12)
+    a.num_computed_tokens = 6
+    kv.allocate_slots(a, 6)
     assert kv.pool.num_cached_blocks == 3
+    kv.free(a, num_computed_tokens=6)  # preempted before the second chunk ran
+    assert kv.pool.num_cached_blocks == 1
+    assert kv.match_prefix(make("b", list(range(12)))) == ([0], 4)
     kv.check_integrity()

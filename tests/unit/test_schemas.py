@@ -99,3 +99,33 @@ def test_a_running_request_costs_the_same_bytes_at_any_context_length():
         return len(msgspec.msgpack.encode(plan))
 
     assert size(1_000) == size(60_000)
+
+
+def test_each_topic_decodes_its_own_union_and_refuses_others():
+    from parkade.schemas import AbortRequest, FinishReason, TokenEvent, Usage, topics
+
+    requests = topics.decoder(topics.REQUESTS)
+    for message in (GenerateRequest(request_id="a", prompt="hi"), AbortRequest(request_id="a")):
+        assert requests.decode(topics.ENCODER.encode(message)) == message
+    event = TokenEvent(
+        request_id="a",
+        index=3,
+        token_ids=(5,),
+        text="x",
+        finish_reason=FinishReason.STOP,
+        usage=Usage(prompt_tokens=4, completion_tokens=4),
+    )
+    assert topics.decoder(topics.TOKENS).decode(topics.ENCODER.encode(event)) == event
+    with pytest.raises(msgspec.ValidationError):
+        requests.decode(topics.ENCODER.encode(event))
+    with pytest.raises(msgspec.DecodeError):
+        requests.decode(b"\xc1 not msgpack")
+    assert set(topics.TOPIC_TYPES) | {topics.DEAD_LETTER} == {
+        topics.REQUESTS,
+        topics.TOKENIZED,
+        topics.STEP_PLANS,
+        topics.STEP_RESULTS,
+        topics.GENERATED,
+        topics.TOKENS,
+        topics.DEAD_LETTER,
+    }

@@ -1,0 +1,32 @@
+"""Messages on the tokens topic (tokenizer -> clients), keyed by `request_id`."""
+
+from __future__ import annotations
+
+import msgspec
+
+from parkade.schemas.engine import FinishReason, TokenLogprobs
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="token_event"):
+    """New output of one request: `token_ids` start at output position `index`; `text` is the
+    new text (held back while it could still become a stop string).
+
+    The last event of a request has `finish_reason` and `usage`; a failed request gets one with
+    finish_reason "error" and `error` set.
+    """
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    usage: Usage | None = None
+    error: str | None = None

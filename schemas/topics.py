@@ -1,0 +1,44 @@
+"""Topic names and one typed msgpack decoder per topic.
+
+Each topic carries one tagged union, so a consumer decodes every record with the one decoder of
+its topic and dispatches on the type. Names get a configurable prefix (`parkade.` by default).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from parkade.schemas.engine import EngineRequest, FinishRequest, GeneratedTokens
+from parkade.schemas.events import TokenEvent
+from parkade.schemas.requests import AbortRequest, GenerateRequest
+from parkade.schemas.steps import StepPlan, StepResult
+
+SCHEMA_VERSION = 1
+DEFAULT_PREFIX = "parkade."
+
+REQUESTS = "requests"  # client -> tokenizer, keyed by request_id
+TOKENIZED = "tokenized"  # tokenizer -> scheduler
+STEP_PLANS = "step-plans"  # scheduler -> executor, one record per step
+STEP_RESULTS = "step-results"  # executor -> scheduler, one record per step
+GENERATED = "generated"  # scheduler -> tokenizer: token ids
+TOKENS = "tokens"  # tokenizer -> clients, keyed by request_id
+DEAD_LETTER = "dead-letter"  # records that could not be decoded
+
+# The union each topic carries.
+TOPIC_TYPES: dict[str, Any] = {
+    REQUESTS: GenerateRequest | AbortRequest,
+    TOKENIZED: EngineRequest | FinishRequest,
+    STEP_PLANS: StepPlan,
+    STEP_RESULTS: StepResult,
+    GENERATED: GeneratedTokens,
+    TOKENS: TokenEvent,
+}
+
+ENCODER = msgspec.msgpack.Encoder()
+
+
+def decoder(topic: str) -> msgspec.msgpack.Decoder:
+    """The typed decoder of one topic (its name without the prefix)."""
+    return msgspec.msgpack.Decoder(TOPIC_TYPES[topic])
