@@ -10,22 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from parkade.kernels import attention_torch
+from parkade.kernels.backends import get_attention_backend
 from parkade.schemas import StepPlan, StepResult
 from parkade.services.executor.input_batch import CachedRequestState, build_inputs
 from parkade.services.executor.kv_pool import allocate_kv_pool, num_blocks_for_budget
-from parkade.services.executor.model import AttentionBackend, load_model
+from parkade.services.executor.model import load_model
 from parkade.services.executor.model_config import ModelConfig
 from parkade.services.executor.sampler import Sampler
 
-ATTENTION_BACKENDS = ("auto", "torch")
 GPU_KV_SHARE = 0.85  # of the device memory left free after loading the weights
-
-
-def resolve_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    return attention_torch
 
 
 class Executor:
@@ -42,7 +35,8 @@ class Executor:
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
-        self.model = load_model(model_config, device, resolve_attention_backend(attention_backend, device))
+        self.attention_backend = get_attention_backend(attention_backend, device)
+        self.model = load_model(model_config, device, self.attention_backend)
         kv_dtype = model_config.dtype
         if kv_cache_memory_bytes is None:
             if device.type != "cuda":

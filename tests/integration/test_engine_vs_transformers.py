@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import STORIES, hf_greedy
 from tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -21,7 +22,6 @@ from parkade.services.engine.engine import Engine
 from parkade.services.executor.kv_pool import bytes_per_block
 from parkade.services.executor.model_config import ModelConfig
 
-STORIES = Path(__file__).resolve().parents[3] / "shared/models/stories260K/hf"
 MAX_NEW = 24
 SHARED_PREFIX_LEN = 37
 
@@ -35,24 +35,6 @@ def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     for i in (9, 10, 11, 12, 14, 15):
         prompts[i] = prefix + prompts[i][SHARED_PREFIX_LEN - 30 :]
     return prompts
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new
-            )
-            tokens = gen[0, len(prompt) :].tolist()
-            eos = model.generation_config.eos_token_id
-            eos = set(eos if isinstance(eos, list) else [eos])
-            cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
-            out.append(tokens[:cut])
-    return out
 
 
 @pytest.fixture(scope="module", params=["stories260K", "llama", "llama-tied", "qwen2", "mistral"])

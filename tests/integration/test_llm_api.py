@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import STORIES
 from transformers import AutoModelForCausalLM
 
 from parkade import LLM, AsyncLLM, SamplingParams
 from parkade.services.engine.core import EngineDeadError
-
-STORIES = Path(__file__).resolve().parents[3] / "shared/models/stories260K/hf"
 
 
 @pytest.fixture(scope="module")
