@@ -21,7 +21,10 @@ class FakeExecutor:
         self.token_ids: dict[str, list[int]] = {}
         self.block_tables: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
-        self.sampled: dict[str, list[int]] = {}  # every token sampled, per request, never dropped
+        # The latest token sampled at each output index, per request (a token sampled by a step
+        # in flight when its request was preempted is sampled again after the recompute).
+        self.sampled: dict[str, dict[int, int]] = {}
+        self.num_prompt: dict[str, int] = {}
         # What each KV slot holds: (position, token id) of the token whose K/V was written there.
         # Reads check it, so a prefix-cache hit on a block that was never computed (or was
         # overwritten) fails here; needs block_size.
@@ -37,6 +40,7 @@ class FakeExecutor:
             self.token_ids[new.request_id] = list(new.token_ids)
             self.block_tables[new.request_id] = list(new.block_ids)
             self.num_computed[new.request_id] = new.num_computed_tokens
+            self.num_prompt[new.request_id] = new.num_prompt_tokens
         for cached in plan.cached_requests:
             assert self.num_computed[cached.request_id] == cached.num_computed_tokens
             self.block_tables[cached.request_id].extend(cached.new_block_ids)
@@ -49,8 +53,9 @@ class FakeExecutor:
             self.num_computed[request_id] = end
             if end == len(self.token_ids[request_id]):
                 token = self.rng.randrange(self.vocab_size)
+                index = len(self.token_ids[request_id]) - self.num_prompt[request_id]
                 self.token_ids[request_id].append(token)
-                self.sampled.setdefault(request_id, []).append(token)
+                self.sampled.setdefault(request_id, {})[index] = token
                 request_ids.append(request_id)
                 sampled.append(token)
         return StepResult(

@@ -51,6 +51,10 @@ class Request:
 
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens that steps in flight will sample: a decode can be scheduled before the previous
+        # token is known, because the executor keeps the tokens it samples.
+        self.num_output_placeholders = 0
+        self.admitted_step = 0  # results of steps before this one belong to an earlier admission
         self.num_cached_tokens = -1  # prefix-cache hit of the first admission; -1 before it
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
@@ -66,6 +70,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_output_tokens(self) -> int:

@@ -169,8 +169,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._sampled_enough(request):
                 continue
             while (blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
@@ -211,6 +211,7 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
+            request.admitted_step = self.step_id
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             self.kv.record_admission(request, num_hit)
@@ -251,7 +252,10 @@ class Scheduler:
         self._in_executor.difference_update(preempted_ids)
         self._in_executor.update(r.request_id for r in admitted)
         for request_id, num_tokens in scheduled.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
         plan = StepPlan(
             step_id=self.step_id,
             new_requests=tuple(new_requests),
@@ -269,6 +273,17 @@ class Scheduler:
         wanted = self.max_request_len if max_tokens is None else request.num_prompt_tokens + max_tokens
         return min(wanted, self.max_request_len)
 
+    def _sampled_enough(self, request: Request) -> bool:
+        """Steps in flight will already sample the request's last token (max_tokens or the
+        length limit): scheduling another would be wasted."""
+        if request.num_output_placeholders == 0:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        return (max_tokens is not None and num_outputs >= max_tokens) or (
+            request.num_tokens_with_placeholders >= self.max_request_len
+        )
+
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=Request.sort_key)
@@ -281,6 +296,7 @@ class Scheduler:
         self.kv.free(request, request.num_computed_tokens)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # results in flight are dropped (see `update`)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
@@ -288,7 +304,8 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[GeneratedTokens]:
         """Append the sampled tokens, finish the requests that stop. Returns one event per token.
 
-        Results for requests that finished or were preempted since the plan are dropped.
+        Results for requests that finished or were preempted since the plan are dropped. With
+        several steps in flight, results must arrive in step order.
         """
         outputs: list[GeneratedTokens] = []
         logprobs = result.logprobs or (None,) * len(result.request_ids)
@@ -296,8 +313,13 @@ class Scheduler:
             result.request_ids, result.sampled_token_ids, logprobs, strict=True
         ):
             request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if (
+                request is None
+                or request.status is not RequestStatus.RUNNING
+                or plan.step_id < request.admitted_step  # sampled before a preemption
+            ):
                 continue
+            request.num_output_placeholders -= 1
             request.append_output_token(token_id)
             reason, stop_reason = self._check_stop(request, token_id)
             if reason is not None:
@@ -352,7 +374,8 @@ class Scheduler:
         assert len(self.running) + len(self.waiting) == len(self.requests)
         for request in self.running:
             assert request.status is RequestStatus.RUNNING
-            assert request.num_computed_tokens <= request.num_tokens
+            assert request.num_computed_tokens <= request.num_tokens_with_placeholders
+            assert request.num_output_placeholders >= 0
             held = len(self.kv.get_block_ids(request.request_id)) * self.config.block_size
             assert held >= request.num_computed_tokens
         for request in self.waiting:

@@ -266,3 +266,36 @@ def test_a_request_preempted_before_its_step_leaves_no_uncomputed_block_in_the_c
         s.check_integrity()
         step += 1
     assert s.num_preemptions >= 1
+
+
+def test_steps_in_flight_decode_ahead_and_stale_results_after_preemption_are_dropped():
+    s = sched(num_blocks=4)
+    s.add(req("a", 4, max_tokens=10))
+    s.add(req("b", 8, max_tokens=10, first=100))
+    plan1 = s.schedule()  # both prefill and will sample; their results are not back yet
+    assert s.requests["a"].num_output_placeholders == 1
+    plan2 = s.schedule()  # a decodes its unknown token 4 ahead; b needs a block: preempted
+    assert plan2.num_scheduled_tokens == {"a": 1} and plan2.preempted_request_ids == ("b",)
+    plan3 = s.schedule()  # b is admitted again (its first block is still cached)
+    assert [n.request_id for n in plan3.new_requests] == ["b"]
+    assert plan3.new_requests[0].token_ids == tuple(range(100, 108))
+    events = s.update(plan1, sample(plan1, {"a": 7, "b": 9}))
+    assert [(e.request_id, e.token_ids) for e in events] == [("a", (7,))]  # b's token is stale
+    assert s.requests["b"].num_output_tokens == 0 and s.requests["b"].num_output_placeholders == 1
+    s.update(plan2, sample(plan2, {"a": 8}))
+    s.update(plan3, sample(plan3, {"a": 5, "b": 6}))
+    assert s.requests["a"].output_token_ids == [7, 8, 5]
+    assert s.requests["b"].output_token_ids == [6]
+    s.check_integrity()
+
+
+def test_no_decode_is_scheduled_past_max_tokens_while_steps_are_in_flight():
+    s = sched()
+    s.add(req("a", 3, max_tokens=2))
+    plan1 = s.schedule()
+    plan2 = s.schedule()  # decodes token 1, the last one
+    assert plan2.num_scheduled_tokens == {"a": 1}
+    assert s.schedule().num_scheduled_tokens == {}  # both outputs are already in flight
+    s.update(plan1, sample(plan1, {"a": 4}))
+    (event,) = s.update(plan2, sample(plan2, {"a": 5}))
+    assert event.finish_reason == FinishReason.LENGTH
