@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# Starts `parkade up` (demo model, local broker) in the background, streams one completion with
+# `parkade generate`, stops it; see scripts/demo.sh.
 demo: $(STAMP)
-	$(VENV)/bin/parkade offline "Once upon a time" --max-tokens 64
+	VENV=$(VENV) bash scripts/demo.sh
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

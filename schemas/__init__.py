@@ -11,9 +11,15 @@ from parkade.schemas.engine import (
     TokenLogprobs,
 )
 from parkade.schemas.events import TokenEvent, Usage
-from parkade.schemas.requests import AbortRequest, GenerateRequest
+from parkade.schemas.requests import AbortRequest, ChatMessage, GenerateRequest
 from parkade.schemas.sampling import MAX_LOGPROBS, SamplingParams
-from parkade.schemas.steps import CachedRequestData, NewRequestData, StepPlan, StepResult
+from parkade.schemas.steps import (
+    CachedRequestData,
+    ExecutorAnnouncement,
+    NewRequestData,
+    StepPlan,
+    StepResult,
+)
 from parkade.schemas.topics import SCHEMA_VERSION
 
 __all__ = [
@@ -21,7 +27,9 @@ __all__ = [
     "SCHEMA_VERSION",
     "AbortRequest",
     "CachedRequestData",
+    "ChatMessage",
     "EngineRequest",
+    "ExecutorAnnouncement",
     "FinishReason",
     "FinishRequest",
     "GenerateRequest",

@@ -72,6 +72,7 @@ class GeneratedTokens(msgspec.Struct, frozen=True, kw_only=True, tag="generated_
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None  # with finish_reason "error": why the request was refused
 
 
 SchedulerInMessage = EngineRequest | FinishRequest

@@ -7,8 +7,14 @@ import msgspec
 from parkade.schemas.sampling import SamplingParams
 
 
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+    role: str  # "system" | "user" | "assistant" | ...
+    content: str
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
-    """Generate a completion. Exactly one of `prompt` and `prompt_token_ids` is set.
+    """Generate a completion. Exactly one of `prompt`, `prompt_token_ids` and `messages` (a chat,
+    rendered by the model's chat template) is set.
 
     Lower `priority` values are served first under the priority scheduling policy (vLLM's rule).
     """
@@ -18,14 +24,18 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     prompt_token_ids: tuple[int, ...] | None = None
     sampling_params: SamplingParams = SamplingParams()
     priority: int = 0
+    messages: tuple[ChatMessage, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:
             raise ValueError("request_id must be a non-empty string")
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("exactly one of prompt and prompt_token_ids must be set")
+        given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
+        if sum(given) != 1:
+            raise ValueError("exactly one of prompt, prompt_token_ids and messages must be set")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must be non-empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must be non-empty")
 
 
 class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):

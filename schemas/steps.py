@@ -53,6 +53,8 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True, tag="step_plan"):
     num_scheduled_tokens: dict[str, int] = {}
     finished_request_ids: tuple[str, ...] = ()
     preempted_request_ids: tuple[str, ...] = ()
+    # The executor this plan is for; another executor (a restarted one) ignores it.
+    executor_id: str = ""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -66,3 +68,21 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
     request_ids: tuple[str, ...] = ()
     sampled_token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    executor_id: str = ""
+
+
+class ExecutorAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="executor_announcement"):
+    """An executor's capacity, sent at start and then as a heartbeat on the step-results topic.
+
+    The scheduler sizes its page table from it. A new `executor_id` means a new executor with an
+    empty KV pool: the scheduler recomputes every running request there.
+    """
+
+    executor_id: str
+    model: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    heartbeat: int = 0  # 0 at start, then counts up

@@ -13,7 +13,7 @@ import msgspec
 from parkade.schemas.engine import EngineRequest, FinishRequest, GeneratedTokens
 from parkade.schemas.events import TokenEvent
 from parkade.schemas.requests import AbortRequest, GenerateRequest
-from parkade.schemas.steps import StepPlan, StepResult
+from parkade.schemas.steps import ExecutorAnnouncement, StepPlan, StepResult
 
 SCHEMA_VERSION = 1
 DEFAULT_PREFIX = "parkade."
@@ -31,12 +31,17 @@ TOPIC_TYPES: dict[str, Any] = {
     REQUESTS: GenerateRequest | AbortRequest,
     TOKENIZED: EngineRequest | FinishRequest,
     STEP_PLANS: StepPlan,
-    STEP_RESULTS: StepResult,
+    STEP_RESULTS: StepResult | ExecutorAnnouncement,
     GENERATED: GeneratedTokens,
     TOKENS: TokenEvent,
 }
 
 ENCODER = msgspec.msgpack.Encoder()
+ALL_TOPICS = (REQUESTS, TOKENIZED, STEP_PLANS, STEP_RESULTS, GENERATED, TOKENS, DEAD_LETTER)
+
+
+def topic_name(topic: str, prefix: str = DEFAULT_PREFIX) -> str:
+    return f"{prefix}{topic}"
 
 
 def decoder(topic: str) -> msgspec.msgpack.Decoder:

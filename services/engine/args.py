@@ -44,6 +44,25 @@ class EngineArgs:
 
 def build_engine_parts(args: EngineArgs) -> tuple[ModelConfig, Scheduler, Executor]:
     """Load the model, size the KV pool, and give the scheduler the pool's block count."""
+    model_config, executor, max_model_len = build_executor(args)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=executor.num_blocks,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=args.enable_prefix_caching,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            policy=args.scheduling_policy,
+            admission=args.admission,
+        )
+    )
+    return model_config, scheduler, executor
+
+
+def build_executor(args: EngineArgs) -> tuple[ModelConfig, Executor, int]:
+    """Load the model and allocate the KV pool -> (config, executor, effective max_model_len)."""
     device = args.resolve_device()
     model_config = ModelConfig.from_pretrained(args.model, args.dtype)
     max_model_len = args.max_model_len or model_config.max_position_embeddings
@@ -85,17 +104,4 @@ def build_engine_parts(args: EngineArgs) -> tuple[ModelConfig, Scheduler, Execut
                 "max_model_len"
             )
         max_model_len = pool_tokens
-    scheduler = Scheduler(
-        SchedulerConfig(
-            num_blocks=executor.num_blocks,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=args.enable_prefix_caching,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            policy=args.scheduling_policy,
-            admission=args.admission,
-        )
-    )
-    return model_config, scheduler, executor
+    return model_config, executor, max_model_len

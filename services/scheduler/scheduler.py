@@ -352,6 +352,21 @@ class Scheduler:
             return FinishReason.LENGTH, None
         return None, None
 
+    def reset_executor(self) -> None:
+        """A new executor with an empty KV pool replaced the old one: every running request is
+        recomputed from scratch and the prefix cache starts empty (its blocks held old K/V)."""
+        for request in reversed(self.running):
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
+            self.waiting.add_preempted(request)
+        self.running = []
+        self.kv = KVCacheManager(
+            self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self._in_executor.clear()
+        self._finished_ids = []
+
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool

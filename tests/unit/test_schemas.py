@@ -51,7 +51,7 @@ def test_stop_accepts_a_string_or_a_list():
 
 
 def test_generate_request_needs_exactly_one_prompt():
-    with pytest.raises(ValueError, match="exactly one of prompt and prompt_token_ids"):
+    with pytest.raises(ValueError, match="exactly one of prompt, prompt_token_ids and messages"):
         GenerateRequest(request_id="a")
     with pytest.raises(ValueError, match="exactly one"):
         GenerateRequest(request_id="a", prompt="x", prompt_token_ids=(1,))

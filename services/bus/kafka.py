@@ -1,0 +1,128 @@
+"""`KafkaBus`: the bus on a real Kafka-protocol broker, through aiokafka.
+
+NOTE: no idempotent or transactional producer (Tansu in memory mode has neither), so delivery is
+at-least-once: offsets are committed only after the handler's output was acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+
+from parkade.services.bus.base import Headers, Record
+
+# Latency matters more than batching: a step plan waits on every hop.
+_CONSUMER_SETTINGS = dict(fetch_max_wait_ms=20, enable_auto_commit=False, auto_offset_reset="earliest")
+
+
+class KafkaConsumer:
+    def __init__(self, consumer: AIOKafkaConsumer) -> None:
+        self._consumer = consumer
+
+    async def getmany(self, timeout_ms: int = 100) -> list[Record]:
+        batches = await self._consumer.getmany(timeout_ms=timeout_ms)
+        return [
+            Record(m.topic, m.value, m.key, tuple(m.headers or ()), m.partition, m.offset)
+            for records in batches.values()
+            for m in records
+        ]
+
+    async def commit(self) -> None:
+        if self._consumer._group_id is not None:
+            await self._consumer.commit()
+
+    async def stop(self) -> None:
+        await self._consumer.stop()
+
+
+class KafkaBus:
+    def __init__(self, bootstrap_servers: str, client_id: str = "parkade") -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.client_id = client_id
+        self._producer: AIOKafkaProducer | None = None
+
+    async def _started_producer(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            producer = AIOKafkaProducer(
+                bootstrap_servers=self.bootstrap_servers,
+                client_id=self.client_id,
+                linger_ms=0,
+                enable_idempotence=False,
+                acks=1,
+            )
+            await producer.start()
+            self._producer = producer
+        return self._producer
+
+    async def send(
+        self, topic: str, value: bytes, *, key: bytes | None = None, headers: Headers = ()
+    ) -> None:
+        producer = await self._started_producer()
+        await producer.send_and_wait(topic, value, key=key, headers=list(headers))
+
+    async def consumer(
+        self, topics: list[str], group_id: str | None, *, from_end: bool = False
+    ) -> KafkaConsumer:
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap_servers,
+            client_id=self.client_id,
+            group_id=group_id,
+            **_CONSUMER_SETTINGS,
+        )
+        await consumer.start()
+        if group_id is None:
+            # No group: read every partition directly, from the end if asked.
+            partitions = [
+                TopicPartition(topic, p)
+                for topic in topics
+                for p in (consumer.partitions_for_topic(topic) or {0})
+            ]
+            consumer.assign(partitions)
+            if from_end:
+                await consumer.seek_to_end(*partitions)
+            for tp in partitions:
+                await consumer.position(tp)  # resolve now, so nothing sent after this is missed
+        else:
+            consumer.subscribe(topics)
+        return KafkaConsumer(consumer)
+
+    async def create_topics(self, topics: list[str]) -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, client_id=self.client_id)
+        await admin.start()
+        try:
+            existing = set(await admin.list_topics())
+            missing = [
+                NewTopic(t, num_partitions=1, replication_factor=1) for t in topics if t not in existing
+            ]
+            if missing:
+                with contextlib.suppress(TopicAlreadyExistsError):
+                    await admin.create_topics(missing)
+        finally:
+            await admin.close()
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+
+async def wait_for_broker(bootstrap_servers: str, timeout_s: float = 30.0) -> None:
+    """Return once the broker answers metadata requests."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=2000)
+        try:
+            await admin.start()
+            await admin.list_topics()
+            return
+        except (KafkaConnectionError, OSError):
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+        finally:
+            with contextlib.suppress(Exception):
+                await admin.close()

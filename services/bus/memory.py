@@ -1,0 +1,74 @@
+"""`MemoryBus`: topics as lists in one process, with consumer groups and committed offsets.
+
+Same semantics as the Kafka bus where services rely on them: per-topic order, a group resumes
+from its last commit, and records returned but not committed are returned again to the next
+consumer of the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from parkade.services.bus.base import Headers, Record
+
+
+class MemoryConsumer:
+    def __init__(self, bus: MemoryBus, topics: list[str], group_id: str | None, from_end: bool) -> None:
+        self.bus = bus
+        self.topics = topics
+        self.group_id = group_id
+        committed = bus.offsets.get(group_id, {}) if group_id else {}
+        for topic in topics:
+            bus.topics.setdefault(topic, [])
+        self.positions = {t: len(bus.topics[t]) if from_end else committed.get(t, 0) for t in topics}
+
+    async def getmany(self, timeout_ms: int = 100) -> list[Record]:
+        async with self.bus.changed:
+            if not self._available():
+                try:
+                    await asyncio.wait_for(self.bus.changed.wait(), timeout_ms / 1000)
+                except TimeoutError:
+                    return []
+        out: list[Record] = []
+        for topic in self.topics:
+            records = self.bus.topics[topic][self.positions[topic] :]
+            self.positions[topic] += len(records)
+            out.extend(records)
+        return out
+
+    def _available(self) -> bool:
+        return any(len(self.bus.topics[t]) > self.positions[t] for t in self.topics)
+
+    async def commit(self) -> None:
+        if self.group_id is not None:
+            self.bus.offsets.setdefault(self.group_id, {}).update(self.positions)
+
+    async def stop(self) -> None:
+        pass
+
+
+class MemoryBus:
+    def __init__(self) -> None:
+        self.topics: dict[str, list[Record]] = {}
+        self.offsets: dict[str, dict[str, int]] = {}  # group -> topic -> next offset
+        self.changed = asyncio.Condition()
+
+    async def send(
+        self, topic: str, value: bytes, *, key: bytes | None = None, headers: Headers = ()
+    ) -> None:
+        records = self.topics.setdefault(topic, [])
+        records.append(Record(topic, value, key, tuple(headers), 0, len(records)))
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def consumer(
+        self, topics: list[str], group_id: str | None, *, from_end: bool = False
+    ) -> MemoryConsumer:
+        return MemoryConsumer(self, topics, group_id, from_end)
+
+    async def create_topics(self, topics: list[str]) -> None:
+        for topic in topics:
+            self.topics.setdefault(topic, [])
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,53 @@
+"""What the three services' `main.py` share: bus arguments, READY, and stopping on a signal."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+from parkade.schemas.topics import DEFAULT_PREFIX
+
+
+def add_bus_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--bootstrap-servers",
+        default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"),
+        help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)",
+    )
+    parser.add_argument("--topic-prefix", default=DEFAULT_PREFIX)
+
+
+def require_bootstrap(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    if not args.bootstrap_servers:
+        parser.error("no broker: pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS")
+    return args.bootstrap_servers
+
+
+def announce_ready(service: str) -> Callable[[], None]:
+    """The line `parkade up` waits for: printed once the service consumes its topics."""
+
+    def ready() -> None:
+        print(f"READY {service}", flush=True)
+
+    return ready
+
+
+def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> int:
+    """Run `serve(stop)`; SIGINT or SIGTERM sets `stop`, and the service finishes its batch."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(stop)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
+    sys.stdout.flush()
+    return 0

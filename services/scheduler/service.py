@@ -1,0 +1,156 @@
+"""`SchedulerHandler`: the scheduler service's logic, without I/O.
+
+    tokenized topic     EngineRequest / FinishRequest  -> add / finish (GeneratedTokens on finish)
+    step-results topic  ExecutorAnnouncement           -> size the page table; a new executor id
+                                                          means recompute everything
+                        StepResult                     -> GeneratedTokens (generated topic)
+    after every poll    up to `max_in_flight` StepPlans (step-plans topic)
+
+NOTE: more than one step is in flight so that Kafka's latency overlaps the executor's compute:
+the executor keeps the tokens it samples, so the next decode can be planned before the previous
+result has travelled back (the scheduler counts them as output placeholders).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import msgspec
+
+from parkade.schemas import (
+    EngineRequest,
+    ExecutorAnnouncement,
+    FinishReason,
+    FinishRequest,
+    GeneratedTokens,
+    StepPlan,
+    StepResult,
+    topics,
+)
+from parkade.services.bus.base import Headers, Outgoing
+from parkade.services.scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulingOptions:
+    """The scheduler's own settings; the KV geometry comes from the executor's announcement."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    admission: str = "paged"
+    max_in_flight: int = 2
+
+
+class SchedulerHandler:
+    def __init__(self, options: SchedulingOptions) -> None:
+        self.options = options
+        self.scheduler: Scheduler | None = None
+        self.executor_id: str | None = None
+        self.pending: dict[str, EngineRequest] = {}  # before an executor has announced itself
+        self.in_flight: OrderedDict[int, StepPlan] = OrderedDict()
+        self.headers: dict[str, Headers] = {}  # per request: trace context to pass on
+
+    def on_announcement(self, announcement: ExecutorAnnouncement) -> list[Outgoing]:
+        if announcement.executor_id == self.executor_id:
+            return []  # a heartbeat
+        self.executor_id = announcement.executor_id
+        if self.scheduler is not None:
+            # NOTE: assumes the replacement has the same geometry (same model and settings).
+            self.in_flight.clear()
+            self.scheduler.reset_executor()
+            return []
+        o = self.options
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=announcement.num_blocks,
+                block_size=announcement.block_size,
+                max_model_len=announcement.max_model_len,
+                max_num_seqs=o.max_num_seqs,
+                max_num_batched_tokens=max(o.max_num_batched_tokens, 1)
+                if o.enable_chunked_prefill
+                else max(o.max_num_batched_tokens, announcement.max_model_len),
+                enable_prefix_caching=o.enable_prefix_caching,
+                enable_chunked_prefill=o.enable_chunked_prefill,
+                policy=o.policy,
+                admission=o.admission,
+            )
+        )
+        out: list[Outgoing] = []
+        for request in self.pending.values():
+            out += self._add(request)
+        self.pending.clear()
+        return out
+
+    def on_tokenized(self, message: EngineRequest | FinishRequest, headers: Headers = ()) -> list[Outgoing]:
+        request_id = message.request_id
+        if isinstance(message, FinishRequest):
+            self.pending.pop(request_id, None)
+            event = (
+                self.scheduler.finish_request(request_id, message.reason, message.stop_reason)
+                if self.scheduler
+                else None
+            )
+            return [self._generated(event)] if event is not None else []
+        self.headers.setdefault(request_id, headers)
+        if self.scheduler is None:
+            self.pending.setdefault(request_id, message)
+            return []
+        return self._add(message)
+
+    def _add(self, request: EngineRequest) -> list[Outgoing]:
+        assert self.scheduler is not None
+        if request.request_id in self.scheduler.requests:
+            return []  # a redelivered request
+        try:
+            self.scheduler.add(request)
+        except ValueError as error:
+            refused = GeneratedTokens(
+                request_id=request.request_id,
+                index=0,
+                token_ids=(),
+                finish_reason=FinishReason.ERROR,
+                error=str(error),
+                num_prompt_tokens=len(request.prompt_token_ids),
+            )
+            return [self._generated(refused)]
+        return []
+
+    def on_step_result(self, result: StepResult) -> list[Outgoing]:
+        if (
+            self.scheduler is None
+            or result.executor_id != self.executor_id
+            or result.step_id not in self.in_flight
+        ):
+            return []  # from a replaced executor, or redelivered
+        # Results come back in step order (one partition, one executor): older plans are done.
+        while True:
+            step_id, plan = self.in_flight.popitem(last=False)
+            if step_id == result.step_id:
+                break
+        return [self._generated(event) for event in self.scheduler.update(plan, result)]
+
+    def next_plans(self) -> list[Outgoing]:
+        """Plan steps until `max_in_flight` are out; checks the block manager when idle."""
+        out: list[Outgoing] = []
+        if self.scheduler is None or self.executor_id is None:
+            return out
+        while len(self.in_flight) < self.options.max_in_flight:
+            plan = self.scheduler.schedule()
+            if not (plan.num_scheduled_tokens or plan.finished_request_ids or plan.preempted_request_ids):
+                break
+            plan = msgspec.structs.replace(plan, executor_id=self.executor_id)
+            self.in_flight[plan.step_id] = plan
+            out.append(Outgoing(topics.STEP_PLANS, plan))
+        if not self.in_flight:
+            self.scheduler.check_integrity()
+        return out
+
+    def _generated(self, event: GeneratedTokens) -> Outgoing:
+        headers = self.headers.get(event.request_id, ())
+        if event.finish_reason is not None:
+            self.headers.pop(event.request_id, None)
+        return Outgoing(topics.GENERATED, event, event.request_id, headers)

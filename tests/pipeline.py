@@ -1,0 +1,58 @@
+"""Run the three services in this process, on any bus, so tests can look inside them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from parkade.services.bus.base import Bus
+from parkade.services.engine.args import EngineArgs
+from parkade.services.executor import main as executor_main
+from parkade.services.executor.service import ExecutorHandler
+from parkade.services.scheduler import main as scheduler_main
+from parkade.services.scheduler.service import SchedulerHandler, SchedulingOptions
+from parkade.services.tokenizer import main as tokenizer_main
+from parkade.services.tokenizer.service import TokenizerHandler
+
+
+@dataclass
+class Pipeline:
+    tokenizer: TokenizerHandler
+    scheduler: SchedulerHandler
+    executor: ExecutorHandler
+
+
+@contextlib.asynccontextmanager
+async def running_pipeline(
+    bus: Bus, model: Path, *, prefix: str, options: SchedulingOptions | None = None, **engine_kwargs
+) -> AsyncIterator[Pipeline]:
+    engine_kwargs.setdefault("dtype", "float32")
+    pipeline = Pipeline(
+        tokenizer_main.make_handler(str(model)),
+        SchedulerHandler(options or SchedulingOptions()),
+        executor_main.build_handler(EngineArgs(model=model, **engine_kwargs)),
+    )
+    stop = asyncio.Event()
+    ready = [asyncio.Event() for _ in range(3)]
+    tasks = [
+        asyncio.create_task(
+            tokenizer_main.run(bus, pipeline.tokenizer, prefix=prefix, stop=stop, ready=ready[0].set)
+        ),
+        asyncio.create_task(
+            scheduler_main.run(bus, pipeline.scheduler, prefix=prefix, stop=stop, ready=ready[1].set)
+        ),
+        asyncio.create_task(
+            executor_main.run(
+                bus, pipeline.executor, prefix=prefix, stop=stop, ready=ready[2].set, heartbeat_s=0.5
+            )
+        ),
+    ]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(r.wait() for r in ready)), 30)
+        yield pipeline
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
