@@ -1,0 +1,169 @@
+"""The three services over a real broker: streaming, order, abort, stop strings, bad records.
+
+The services run as tasks of this test's process (real KafkaBus, real topics), so the test can
+look at the scheduler's block pool; `test_up.py` runs them as separate processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import msgspec
+import pytest
+from hf_reference import STORIES
+from pipeline import running_pipeline
+
+from parkade import LLM, SamplingParams
+from parkade.client import Client
+from parkade.schemas import topics
+from parkade.services.bus.kafka import KafkaBus
+
+pytestmark = pytest.mark.e2e
+
+OPENINGS = [
+    "Once upon a time",
+    "Lily and Tom",
+    "The big dog",
+    "One day, a girl",
+    "Tim had a ball",
+    "Mom said",
+]
+ENGINE = dict(max_model_len=256, block_size=16)
+
+
+def run_with_pipeline(bootstrap: str, body, **engine_kwargs):
+    """asyncio.run(body(pipeline, prefix)) with the services running on fresh topics."""
+    prefix = f"t{uuid.uuid4().hex[:8]}."
+
+    async def main():
+        bus = KafkaBus(bootstrap, client_id="e2e-services")
+        await bus.create_topics([topics.topic_name(t, prefix) for t in topics.ALL_TOPICS])
+        try:
+            async with running_pipeline(
+                bus, STORIES, prefix=prefix, **{**ENGINE, **engine_kwargs}
+            ) as pipeline:
+                return await asyncio.wait_for(body(pipeline, prefix), 240)
+        finally:
+            await bus.close()
+
+    return asyncio.run(main())
+
+
+async def wait_idle(pipeline, timeout_s: float = 30.0) -> None:
+    """Until the scheduler holds no request and no step is in flight."""
+    for _ in range(int(timeout_s / 0.05)):
+        scheduler = pipeline.scheduler
+        if scheduler.scheduler is not None and not scheduler.scheduler.requests and not scheduler.in_flight:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the scheduler did not become idle")
+
+
+def test_32_concurrent_clients_stream_the_in_process_engines_text(bootstrap_servers):
+    prompts = [f"{OPENINGS[i % len(OPENINGS)]}{' and' * (i // len(OPENINGS))}" for i in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    expected = [o.outputs[0] for o in LLM(STORIES, dtype="float32", **ENGINE).generate(prompts, params)]
+
+    async def body(pipeline, prefix):
+        async def one_client(prompt):
+            async with Client(bootstrap_servers, prefix) as client:
+                return [e async for e in client.generate(prompt=prompt, sampling_params=params)]
+
+        results = await asyncio.gather(*(one_client(p) for p in prompts))
+        await wait_idle(pipeline)
+        kv = pipeline.scheduler.scheduler.kv
+        assert kv.num_free_blocks == kv.num_blocks
+        return results
+
+    results = run_with_pipeline(bootstrap_servers, body)
+    for events, exp in zip(results, expected, strict=True):
+        indices = [e.index for e in events if e.token_ids]
+        assert indices == list(range(len(indices))), "indices out of order, with gaps or repeats"
+        assert [t for e in events for t in e.token_ids] == exp.token_ids
+        assert "".join(e.text for e in events) == exp.text
+        assert events[-1].finish_reason == exp.finish_reason
+        assert sum(1 for e in events if e.finish_reason is not None) == 1
+
+
+def test_abort_mid_stream_frees_the_requests_blocks(bootstrap_servers):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def body(pipeline, prefix):
+        async with Client(bootstrap_servers, prefix) as client:
+            request_id = await client.submit(prompt="Once upon a time", sampling_params=params)
+            events = []
+            async for event in client.stream(request_id):
+                events.append(event)
+                if len(events) == 5:
+                    kv = pipeline.scheduler.scheduler.kv
+                    assert kv.num_free_blocks < kv.num_blocks  # it holds blocks while it runs
+                    await client.cancel(request_id)
+            await wait_idle(pipeline)
+            kv = pipeline.scheduler.scheduler.kv
+            assert kv.num_free_blocks == kv.num_blocks
+            pipeline.scheduler.scheduler.check_integrity()
+            return events
+
+    events = run_with_pipeline(bootstrap_servers, body)
+    assert events[-1].finish_reason == "abort"
+    assert sum(len(e.token_ids) for e in events) < 200
+
+
+def test_stop_strings_end_the_stream_at_the_right_place(bootstrap_servers):
+    async def body(pipeline, prefix):
+        async with Client(bootstrap_servers, prefix) as client:
+            cut = SamplingParams(temperature=0, max_tokens=60, stop=["girl named"])
+            keep = SamplingParams(
+                temperature=0, max_tokens=60, stop=["girl named"], include_stop_str_in_output=True
+            )
+            a = [e async for e in client.generate(prompt="Once upon a time", sampling_params=cut)]
+            b = [e async for e in client.generate(prompt="Once upon a time", sampling_params=keep)]
+            await wait_idle(pipeline)
+            return a, b
+
+    cut, keep = run_with_pipeline(bootstrap_servers, body)
+    assert "".join(e.text for e in cut) == ", there was a little "
+    assert (cut[-1].finish_reason, cut[-1].stop_reason) == ("stop", "girl named")
+    assert "".join(e.text for e in keep) == ", there was a little girl named"
+    # No streamed delta ever showed the start of the stop string before it was cut.
+    assert all("gir" not in e.text for e in cut)
+
+
+def test_bad_records_get_an_error_event_or_a_dead_letter_and_disturb_nothing(bootstrap_servers):
+    params = SamplingParams(temperature=0, max_tokens=12)
+
+    async def body(pipeline, prefix):
+        bus = KafkaBus(bootstrap_servers, client_id="e2e-raw")
+        dead = await bus.consumer([topics.topic_name(topics.DEAD_LETTER, prefix)], None)
+        requests_topic = topics.topic_name(topics.REQUESTS, prefix)
+        async with Client(bootstrap_servers, prefix) as client:
+            good = asyncio.create_task(_collect(client, "Once upon a time", params))
+            await bus.send(requests_topic, b"\xc1 this is not msgpack")
+            invalid = {
+                "type": "generate",
+                "request_id": "bad-temp",
+                "prompt": "hi",
+                "sampling_params": {"temperature": -1},
+            }
+            client._streams["bad-temp"] = asyncio.Queue()  # listen for the error event of a raw record
+            await bus.send(requests_topic, msgspec.msgpack.encode(invalid))
+            errors = [e async for e in client.stream("bad-temp")]
+            letters = []
+            while not letters:
+                letters = await dead.getmany(timeout_ms=500)
+            good_events = await good
+        await dead.stop()
+        await bus.close()
+        return errors, letters, good_events
+
+    errors, letters, good_events = run_with_pipeline(bootstrap_servers, body)
+    (error,) = errors
+    assert error.finish_reason == "error" and "temperature must be >= 0" in error.error
+    assert letters[0].value == b"\xc1 this is not msgpack"
+    assert letters[0].header("parkade-error") is not None
+    assert good_events[-1].finish_reason == "length" and sum(len(e.token_ids) for e in good_events) == 12
+
+
+async def _collect(client, prompt, params):
+    return [e async for e in client.generate(prompt=prompt, sampling_params=params)]
