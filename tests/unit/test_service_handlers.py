@@ -1,0 +1,185 @@
+"""The services' handlers without a bus: idempotency under redelivery, errors, restarts."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from fakes import FakeExecutor
+from hf_reference import STORIES
+from transformers import AutoTokenizer
+
+from parkade.demo_model import ensure_demo_model
+from parkade.schemas import (
+    AbortRequest,
+    ChatMessage,
+    EngineRequest,
+    ExecutorAnnouncement,
+    FinishReason,
+    FinishRequest,
+    GeneratedTokens,
+    GenerateRequest,
+    SamplingParams,
+    StepResult,
+    topics,
+)
+from parkade.services.scheduler.service import SchedulerHandler, SchedulingOptions
+from parkade.services.tokenizer.service import TokenizerHandler
+
+
+@pytest.fixture(scope="module")
+def stories_tokenizer():
+    return AutoTokenizer.from_pretrained(str(STORIES))
+
+
+def test_tokenizer_handler_is_idempotent_and_reports_errors(stories_tokenizer):
+    handler = TokenizerHandler(stories_tokenizer, (2,))
+    request = GenerateRequest(
+        request_id="r", prompt="Once upon", sampling_params=SamplingParams(max_tokens=3)
+    )
+    (out,) = handler.on_request(request, (("traceparent", b"00-x"),))
+    assert out.topic == topics.TOKENIZED and out.message.prompt_token_ids == tuple(
+        stories_tokenizer.encode("Once upon")
+    )
+    assert out.headers == (("traceparent", b"00-x"),)
+    assert handler.on_request(request) == []  # redelivered
+    ids = stories_tokenizer.encode(" a time", add_special_tokens=False)
+    first = GeneratedTokens(request_id="r", index=0, token_ids=(ids[0],))
+    (event,) = handler.on_generated(first)
+    assert event.topic == topics.TOKENS and event.message.index == 0
+    assert handler.on_generated(first) == []  # redelivered
+    last = GeneratedTokens(
+        request_id="r", index=1, token_ids=(ids[1],), finish_reason=FinishReason.LENGTH, num_prompt_tokens=3
+    )
+    (event,) = handler.on_generated(last)
+    assert event.message.finish_reason == "length" and event.message.usage.completion_tokens == 2
+    assert handler.on_generated(last) == [] and handler.on_request(request) == []  # finished stays finished
+    assert handler.on_request(AbortRequest(request_id="r")) == []  # abort after the end: nothing
+    (bad,) = handler.on_request(GenerateRequest(request_id="big", prompt_token_ids=(1, 999)))
+    assert bad.message.finish_reason == "error" and "[0, 512)" in bad.message.error
+    (chat,) = handler.on_request(
+        GenerateRequest(request_id="c", messages=(ChatMessage(role="user", content="hi"),))
+    )
+    assert chat.message.finish_reason == "error"  # stories260K has no chat template
+
+
+def test_chat_messages_use_the_models_chat_template(tmp_path):
+    model = ensure_demo_model(tmp_path / "demo")
+    tok = AutoTokenizer.from_pretrained(str(model))
+    handler = TokenizerHandler(tok, (2,))
+    messages = (ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hello"))
+    (out,) = handler.on_request(GenerateRequest(request_id="c", messages=messages))
+    chat = [{"role": m.role, "content": m.content} for m in messages]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert "Hello" in text and out.message.prompt_token_ids == tuple(
+        tok.encode(text, add_special_tokens=False)
+    )
+
+
+def test_tokenizer_handler_stops_the_scheduler_when_a_stop_string_matches(stories_tokenizer):
+    handler = TokenizerHandler(stories_tokenizer, (2,))
+    params = SamplingParams(stop=["girl named"])
+    handler.on_request(GenerateRequest(request_id="r", prompt="Once", sampling_params=params))
+    ids = stories_tokenizer.encode("Once there was a little girl named Lily")[2:]
+    outs = []
+    for i, token in enumerate(ids):
+        outs += handler.on_generated(GeneratedTokens(request_id="r", index=i, token_ids=(token,)))
+    finish = [o.message for o in outs if o.topic == topics.TOKENIZED]
+    assert finish == [FinishRequest(request_id="r", reason=FinishReason.STOP, stop_reason="girl named")]
+    text = "".join(o.message.text for o in outs if o.topic == topics.TOKENS)
+    assert text == " there was a little "
+
+
+def announce(executor_id="e1", num_blocks=64):
+    return ExecutorAnnouncement(
+        executor_id=executor_id,
+        model="m",
+        num_blocks=num_blocks,
+        block_size=4,
+        max_model_len=64,
+        vocab_size=50,
+    )
+
+
+def engine_request(request_id, n=6, max_tokens=4):
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(range(3, 3 + n)),
+        sampling_params=SamplingParams(max_tokens=max_tokens),
+    )
+
+
+def drive(handler, executor, rounds=50, seen_plans=None):
+    """Plan, execute, return results until idle; -> GeneratedTokens per request."""
+    out = {}
+    for _ in range(rounds):
+        plans = [o.message for o in handler.next_plans()]
+        if not plans:
+            break
+        if seen_plans is not None:
+            seen_plans += plans
+        for plan in plans:
+            result = executor.execute(plan)
+            result = type(result)(
+                **{
+                    **{f: getattr(result, f) for f in result.__struct_fields__},
+                    "executor_id": plan.executor_id,
+                }
+            )
+            for o in handler.on_step_result(result):
+                out.setdefault(o.message.request_id, []).append(o.message)
+            assert handler.on_step_result(result) == []  # a redelivered result changes nothing
+    return out
+
+
+def test_scheduler_handler_waits_for_an_executor_and_keeps_two_steps_in_flight():
+    handler = SchedulerHandler(SchedulingOptions(max_in_flight=2))
+    assert handler.on_tokenized(engine_request("a")) == [] and handler.next_plans() == []  # no executor yet
+    handler.on_announcement(announce())
+    plans = handler.next_plans()
+    assert len(plans) == 2  # prefill, then the first decode before the prefill's token is back
+    assert all(p.message.executor_id == "e1" for p in plans)
+    assert handler.on_announcement(announce()) == []  # heartbeat
+
+
+def test_scheduler_handler_runs_requests_to_the_end_and_refuses_impossible_ones():
+    handler = SchedulerHandler(SchedulingOptions())
+    handler.on_announcement(announce())
+    (refused,) = handler.on_tokenized(engine_request("long", n=65))
+    assert refused.message.finish_reason == "error" and "max_model_len=64" in refused.message.error
+    handler.on_tokenized(engine_request("a"))
+    handler.on_tokenized(engine_request("a"))  # redelivered
+    handler.on_tokenized(engine_request("b"))
+    out = drive(handler, FakeExecutor(vocab_size=50, seed=3, block_size=4))
+    for request_id in ("a", "b"):
+        events = out[request_id]
+        assert [e.index for e in events] == list(range(len(events)))
+        assert events[-1].finish_reason is not None
+    assert handler.scheduler.kv.num_free_blocks == 64
+
+
+def test_a_new_executor_makes_the_scheduler_recompute_everything():
+    handler = SchedulerHandler(SchedulingOptions())
+    handler.on_announcement(announce("e1"))
+    handler.on_tokenized(engine_request("a", max_tokens=8))
+    (plan, _) = [o.message for o in handler.next_plans()]
+    handler.on_step_result(
+        StepResult(step_id=plan.step_id, executor_id="e1", request_ids=("a",), sampled_token_ids=(7,))
+    )
+    handler.on_announcement(announce("e2"))  # e1 died: its KV pool is gone
+    assert not handler.in_flight and handler.scheduler.kv.num_free_blocks == 64
+    plans = []
+    out = drive(handler, FakeExecutor(vocab_size=50, seed=4, block_size=4), seen_plans=plans)
+    (resumed,) = plans[0].new_requests
+    assert plans[0].executor_id == "e2" and resumed.token_ids[-1] == 7 and resumed.num_computed_tokens == 0
+    assert [e.index for e in out["a"]] == list(range(1, 8))  # index 0 came from e1
+    assert out["a"][-1].finish_reason == FinishReason.LENGTH
+
+
+def test_finish_request_from_the_tokenizer_ends_the_request():
+    handler = SchedulerHandler(SchedulingOptions())
+    handler.on_tokenized(FinishRequest(request_id="x"))  # unknown: nothing
+    handler.on_announcement(announce())
+    handler.on_tokenized(engine_request("a"))
+    (out,) = handler.on_tokenized(FinishRequest(request_id="a", reason=FinishReason.STOP, stop_reason="zz"))
+    assert (out.message.finish_reason, out.message.stop_reason) == ("stop", "zz")
+    assert handler.on_tokenized(FinishRequest(request_id="a")) == []
