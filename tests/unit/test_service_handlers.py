@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 from fakes import FakeExecutor
 from hf_reference import STORIES
