@@ -9,7 +9,9 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Any
 
+from parkade.schemas import topics
 from parkade.schemas.topics import DEFAULT_PREFIX
 
 
@@ -35,6 +37,20 @@ def announce_ready(service: str) -> Callable[[], None]:
         print(f"READY {service}", flush=True)
 
     return ready
+
+
+async def on_kafka(
+    bootstrap_servers: str, prefix: str, client_id: str, serve: Callable[[Any], Awaitable[None]]
+) -> None:
+    """Connect to the broker, create any missing topic, run `serve(bus)`, close the bus."""
+    from parkade.services.bus.kafka import KafkaBus
+
+    bus = KafkaBus(bootstrap_servers, client_id=client_id)
+    await bus.create_topics([topics.topic_name(t, prefix) for t in topics.ALL_TOPICS])
+    try:
+        await serve(bus)
+    finally:
+        await bus.close()
 
 
 def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> int:

@@ -38,14 +38,7 @@ class OutputProcessor:
     ) -> None:
         detokenizer = None
         if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                prompt_token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-                min_tokens=params.min_tokens,
-            )
+            detokenizer = IncrementalDetokenizer.for_request(self.tokenizer, prompt_token_ids, params)
         elif params.stop:
             raise ValueError("stop strings need a tokenizer")
         self.requests[request_id] = RequestState(

@@ -8,11 +8,16 @@ import contextlib
 
 from parkade.schemas import topics
 from parkade.services.bus.base import Bus
-from parkade.services.bus.kafka import KafkaBus
 from parkade.services.bus.serve import send_all, serve
 from parkade.services.engine.args import EngineArgs, build_executor
 from parkade.services.executor.service import ExecutorHandler
-from parkade.services.runtime import add_bus_arguments, announce_ready, require_bootstrap, run_until_signalled
+from parkade.services.runtime import (
+    add_bus_arguments,
+    announce_ready,
+    on_kafka,
+    require_bootstrap,
+    run_until_signalled,
+)
 
 GROUP_ID = "parkade-executor"
 HEARTBEAT_S = 5.0
@@ -87,11 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     async def serve_forever(stop: asyncio.Event) -> None:
-        bus = KafkaBus(bootstrap, client_id="parkade-executor")
-        await bus.create_topics([topics.topic_name(t, args.topic_prefix) for t in topics.ALL_TOPICS])
-        try:
-            await run(bus, handler, prefix=args.topic_prefix, stop=stop, ready=announce_ready("executor"))
-        finally:
-            await bus.close()
+        await on_kafka(
+            bootstrap,
+            args.topic_prefix,
+            "parkade-executor",
+            lambda bus: run(
+                bus, handler, prefix=args.topic_prefix, stop=stop, ready=announce_ready("executor")
+            ),
+        )
 
     return run_until_signalled(serve_forever)

@@ -7,9 +7,14 @@ import asyncio
 
 from parkade.schemas import ExecutorAnnouncement, topics
 from parkade.services.bus.base import Bus
-from parkade.services.bus.kafka import KafkaBus
 from parkade.services.bus.serve import serve
-from parkade.services.runtime import add_bus_arguments, announce_ready, require_bootstrap, run_until_signalled
+from parkade.services.runtime import (
+    add_bus_arguments,
+    announce_ready,
+    on_kafka,
+    require_bootstrap,
+    run_until_signalled,
+)
 from parkade.services.scheduler.service import SchedulerHandler, SchedulingOptions
 
 GROUP_ID = "parkade-scheduler"
@@ -55,17 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     async def serve_forever(stop: asyncio.Event) -> None:
-        bus = KafkaBus(bootstrap, client_id="parkade-scheduler")
-        await bus.create_topics([topics.topic_name(t, args.topic_prefix) for t in topics.ALL_TOPICS])
-        try:
-            await run(
+        await on_kafka(
+            bootstrap,
+            args.topic_prefix,
+            "parkade-scheduler",
+            lambda bus: run(
                 bus,
                 SchedulerHandler(options),
                 prefix=args.topic_prefix,
                 stop=stop,
                 ready=announce_ready("scheduler"),
-            )
-        finally:
-            await bus.close()
+            ),
+        )
 
     return run_until_signalled(serve_forever)

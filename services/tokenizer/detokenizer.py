@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from parkade.schemas import SamplingParams
+
 # Tokens of context decoded in front of new ones: enough for any decoder's leading-space rule.
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
@@ -44,6 +46,20 @@ class IncrementalDetokenizer:
         self.output_text = ""
         # A stop string may straddle deltas: hold back what could be its beginning.
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
+
+    @classmethod
+    def for_request(
+        cls, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> IncrementalDetokenizer:
+        """A detokenizer with the request's stop strings and decoding options."""
+        return cls(
+            tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+        )
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

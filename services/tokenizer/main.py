@@ -9,11 +9,16 @@ import msgspec
 
 from parkade.schemas import topics
 from parkade.services.bus.base import Bus, Record
-from parkade.services.bus.kafka import KafkaBus
 from parkade.services.bus.serve import dead_letter, serve
 from parkade.services.engine.engine import load_tokenizer
 from parkade.services.executor.model_config import ModelConfig
-from parkade.services.runtime import add_bus_arguments, announce_ready, require_bootstrap, run_until_signalled
+from parkade.services.runtime import (
+    add_bus_arguments,
+    announce_ready,
+    on_kafka,
+    require_bootstrap,
+    run_until_signalled,
+)
 from parkade.services.tokenizer.service import TokenizerHandler, error_event
 
 GROUP_ID = "parkade-tokenizer"
@@ -64,11 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     handler = make_handler(args.model)
 
     async def serve_forever(stop: asyncio.Event) -> None:
-        bus = KafkaBus(bootstrap, client_id="parkade-tokenizer")
-        await bus.create_topics([topics.topic_name(t, args.topic_prefix) for t in topics.ALL_TOPICS])
-        try:
-            await run(bus, handler, prefix=args.topic_prefix, stop=stop, ready=announce_ready("tokenizer"))
-        finally:
-            await bus.close()
+        await on_kafka(
+            bootstrap,
+            args.topic_prefix,
+            "parkade-tokenizer",
+            lambda bus: run(
+                bus, handler, prefix=args.topic_prefix, stop=stop, ready=announce_ready("tokenizer")
+            ),
+        )
 
     return run_until_signalled(serve_forever)

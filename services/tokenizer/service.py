@@ -73,16 +73,7 @@ class TokenizerHandler:
             return [error_event(request_id, str(error), headers)]
         params = message.sampling_params
         self.streams[request_id] = _Stream(
-            IncrementalDetokenizer(
-                self.tokenizer,
-                token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-                min_tokens=params.min_tokens,
-            ),
-            headers,
-            len(token_ids),
+            IncrementalDetokenizer.for_request(self.tokenizer, token_ids, params), headers, len(token_ids)
         )
         request = EngineRequest(
             request_id=request_id,
