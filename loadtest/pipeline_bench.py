@@ -108,8 +108,20 @@ def summarize(traces: dict[str, Trace], elapsed: float) -> dict:
         "output_tokens_per_s": round(output_tokens / elapsed, 1),
         "ttft_ms": percentiles_ms(ttft),
         "itl_ms": percentiles_ms(itl),
+        "itl_p50_ms_by_quarter": itl_by_quarter(traces),
         "tokens_per_event": round(output_tokens / events, 3),
     }
+
+
+def itl_by_quarter(traces: dict[str, Trace]) -> list[float]:
+    """ITL p50 over each quarter of the requests' event positions: does a step get slower as the
+    run goes on?"""
+    quarters: list[list[float]] = [[], [], [], []]
+    for t in traces.values():
+        gaps = [b - a for a, b in zip(t.arrivals, t.arrivals[1:], strict=False)]
+        for i, gap in enumerate(gaps):
+            quarters[4 * i // len(gaps)].append(gap)
+    return [round(statistics.median(q) * 1e3, 2) if q else float("nan") for q in quarters]
 
 
 async def drive(workload: dict[str, tuple[str, SamplingParams]], concurrency: int, one) -> dict:

@@ -45,7 +45,7 @@ class Client:
             bus = KafkaBus(bootstrap_servers, client_id="parkade-client")
         self.bus = bus
         self.prefix = topic_prefix
-        self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._streams: dict[str, asyncio.Queue[TokenEvent | BaseException]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._decoder = topics.decoder(topics.TOKENS)
 
@@ -66,6 +66,10 @@ class Client:
                     queue = self._streams.get(event.request_id)
                     if queue is not None:
                         queue.put_nowait(event)
+        except Exception as error:  # a broken connection ends every open stream, never a hang
+            for queue in self._streams.values():
+                queue.put_nowait(error)
+            raise
         finally:
             await consumer.stop()
 
@@ -115,9 +119,15 @@ class Client:
         (break, cancellation) aborts the request, as vLLM's streaming APIs do."""
         queue = self._streams[request_id]
         finished = False
+        next_index = 0
         try:
             while not finished:
                 event = await queue.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if event.token_ids and event.index < next_index:
+                    continue  # a duplicate (at-least-once delivery)
+                next_index = event.index + len(event.token_ids)
                 finished = event.finish_reason is not None
                 yield event
         finally:

@@ -55,6 +55,9 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True, tag="step_plan"):
     preempted_request_ids: tuple[str, ...] = ()
     # The executor this plan is for; another executor (a restarted one) ignores it.
     executor_id: str = ""
+    # The scheduler that made it: step ids count per scheduler, and a new scheduler (a restart)
+    # starts from an empty page table, so the executor drops the old one's requests.
+    scheduler_id: str = ""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -53,6 +53,11 @@ async def on_kafka(
         await bus.close()
 
 
+def exit_on_sigterm() -> None:
+    """Until the event loop takes over: SIGTERM during start-up (loading a model) exits 0."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+
 def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> int:
     """Run `serve(stop)`; SIGINT or SIGTERM sets `stop`, and the service finishes its batch."""
 

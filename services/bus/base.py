@@ -21,6 +21,10 @@ class Record:
         return next((value for key, value in self.headers if key == name), None)
 
 
+class CommitError(RuntimeError):
+    """The offsets could not be committed (e.g. a rebalance took the partitions away)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Outgoing:
     """A record a handler wants sent: `topic` is the unprefixed name (schemas.topics); `message`

@@ -2,6 +2,8 @@
 
 NOTE: no idempotent or transactional producer (Tansu in memory mode has neither), so delivery is
 at-least-once: offsets are committed only after the handler's output was acknowledged.
+NOTE: one instance per service: the tokenizer and the scheduler keep in-memory state that spans
+two topics, which a consumer group could split between two members.
 """
 
 from __future__ import annotations
@@ -11,17 +13,23 @@ import contextlib
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+from aiokafka.errors import (
+    CommitFailedError,
+    IllegalStateError,
+    KafkaConnectionError,
+    TopicAlreadyExistsError,
+)
 
-from parkade.services.bus.base import Headers, Record
+from parkade.services.bus.base import CommitError, Headers, Record
 
 # Latency matters more than batching: a step plan waits on every hop.
 _CONSUMER_SETTINGS = dict(fetch_max_wait_ms=20, enable_auto_commit=False, auto_offset_reset="earliest")
 
 
 class KafkaConsumer:
-    def __init__(self, consumer: AIOKafkaConsumer) -> None:
+    def __init__(self, consumer: AIOKafkaConsumer, group_id: str | None) -> None:
         self._consumer = consumer
+        self._group_id = group_id
 
     async def getmany(self, timeout_ms: int = 100) -> list[Record]:
         batches = await self._consumer.getmany(timeout_ms=timeout_ms)
@@ -32,8 +40,11 @@ class KafkaConsumer:
         ]
 
     async def commit(self) -> None:
-        if self._consumer._group_id is not None:
-            await self._consumer.commit()
+        if self._group_id is not None:
+            try:
+                await self._consumer.commit()
+            except (CommitFailedError, IllegalStateError) as error:
+                raise CommitError(str(error)) from error
 
     async def stop(self) -> None:
         await self._consumer.stop()
@@ -88,7 +99,7 @@ class KafkaBus:
                 await consumer.position(tp)  # resolve now, so nothing sent after this is missed
         else:
             consumer.subscribe(topics)
-        return KafkaConsumer(consumer)
+        return KafkaConsumer(consumer, group_id)
 
     async def create_topics(self, topics: list[str]) -> None:
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, client_id=self.client_id)

@@ -3,19 +3,24 @@
 Commit policy (one for all services): at-least-once. A batch's offsets are committed only after
 every record of the batch was handled and everything the handlers produced was acknowledged;
 a crash in between makes the group read the batch again, which the idempotent handlers absorb.
-A record that cannot be decoded goes to the dead-letter topic and is committed like any other.
+A record that cannot be decoded, or that makes its handler raise, goes to the dead-letter topic
+(or, where the handler knows the request, becomes an error event) and is committed like any
+other. Every record sent carries the schema version in a `parkade-schema` header.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
 from parkade.schemas import topics
-from parkade.services.bus.base import Bus, Outgoing, Record
+from parkade.services.bus.base import Bus, CommitError, Outgoing, Record
+
+log = logging.getLogger(__name__)
 
 Handler = Callable[[Any, Record], Awaitable[list[Outgoing]] | list[Outgoing]]
 
@@ -30,11 +35,15 @@ def dead_letter(record: Record, error: Exception) -> Outgoing:
     return Outgoing(topics.DEAD_LETTER, record.value, record.key.decode() if record.key else None, headers)
 
 
+SCHEMA_HEADER = ("parkade-schema", str(topics.SCHEMA_VERSION).encode())
+
+
 async def send_all(bus: Bus, outgoing: list[Outgoing], prefix: str) -> None:
     for out in outgoing:
         value = out.message if isinstance(out.message, bytes) else topics.ENCODER.encode(out.message)
         key = out.key.encode() if out.key is not None else None
-        await bus.send(topics.topic_name(out.topic, prefix), value, key=key, headers=out.headers)
+        headers = out.headers if isinstance(out.message, bytes) else (*out.headers, SCHEMA_HEADER)
+        await bus.send(topics.topic_name(out.topic, prefix), value, key=key, headers=headers)
 
 
 async def serve(
@@ -72,12 +81,25 @@ async def serve(
                         on_bad_record(record, error) if on_bad_record else [dead_letter(record, error)]
                     )
                     continue
-                result = handler(message, record)
-                outgoing += await result if asyncio.iscoroutine(result) else result
+                try:
+                    result = handler(message, record)
+                    outgoing += await result if asyncio.iscoroutine(result) else result
+                except Exception as error:
+                    # NOTE: a record that breaks its handler is set aside, not retried: retrying
+                    # would fail the same way on every restart and stall everything behind it.
+                    log.exception("handler failed on %s:%d:%d", record.topic, record.partition, record.offset)
+                    outgoing += (
+                        on_bad_record(record, error) if on_bad_record else [dead_letter(record, error)]
+                    )
             if after_batch is not None:
                 outgoing += after_batch()
             await send_all(bus, outgoing, prefix)
             if records:
-                await consumer.commit()
+                try:
+                    await consumer.commit()
+                except CommitError:
+                    # A rebalance took the partitions: the next owner reads the batch again,
+                    # which the idempotent handlers absorb.
+                    log.warning("commit failed; the batch will be delivered again", exc_info=True)
     finally:
         await consumer.stop()

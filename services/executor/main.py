@@ -14,6 +14,7 @@ from parkade.services.executor.service import ExecutorHandler
 from parkade.services.runtime import (
     add_bus_arguments,
     announce_ready,
+    exit_on_sigterm,
     on_kafka,
     require_bootstrap,
     run_until_signalled,
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     bootstrap = require_bootstrap(args, parser)
+    exit_on_sigterm()
     handler = build_handler(
         EngineArgs(
             model=args.model,

@@ -4,7 +4,8 @@
     at start and on a timer: ExecutorAnnouncement (step-results topic)
 
 Idempotent under redelivery: a plan runs only if it is addressed to this executor and newer
-than the last one it ran (running a plan twice would append its sampled tokens twice).
+than the last one it ran of its scheduler (running a plan twice would append its sampled tokens
+twice).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class ExecutorHandler:
         self.model = model
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.scheduler_id: str | None = None
         self.last_step_id = 0
         self.num_heartbeats = 0
 
@@ -47,8 +49,14 @@ class ExecutorHandler:
 
     def on_plan(self, plan: StepPlan) -> list[Outgoing]:
         """Run one plan (blocking: call it off the event loop)."""
-        if plan.executor_id != self.executor_id or plan.step_id <= self.last_step_id:
-            return []  # for a replaced executor, or redelivered
+        if plan.executor_id != self.executor_id:
+            return []  # for a replaced executor
+        if plan.scheduler_id != self.scheduler_id:
+            # A new scheduler: its step ids start again, and it knows none of the old requests.
+            self.executor.requests.clear()
+            self.scheduler_id, self.last_step_id = plan.scheduler_id, 0
+        if plan.step_id <= self.last_step_id:
+            return []  # redelivered
         result = self.executor.execute(plan)
         self.last_step_id = plan.step_id
         result = msgspec.structs.replace(result, executor_id=self.executor_id)

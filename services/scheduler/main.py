@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from parkade.schemas import ExecutorAnnouncement, topics
+from parkade.schemas import topics
 from parkade.services.bus.base import Bus
 from parkade.services.bus.serve import serve
 from parkade.services.runtime import (
     add_bus_arguments,
     announce_ready,
+    exit_on_sigterm,
     on_kafka,
     require_bootstrap,
     run_until_signalled,
@@ -21,18 +22,13 @@ GROUP_ID = "parkade-scheduler"
 
 
 async def run(bus: Bus, handler: SchedulerHandler, *, prefix: str, stop: asyncio.Event, ready=None) -> None:
-    def on_step_results(message, record):
-        if isinstance(message, ExecutorAnnouncement):
-            return handler.on_announcement(message)
-        return handler.on_step_result(message)
-
     await serve(
         bus,
         prefix=prefix,
         group_id=GROUP_ID,
         handlers={
             topics.TOKENIZED: lambda message, record: handler.on_tokenized(message, record.headers),
-            topics.STEP_RESULTS: on_step_results,
+            topics.STEP_RESULTS: lambda message, record: handler.on_step_results(message),
         },
         after_batch=handler.next_plans,
         stop=stop,
@@ -51,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-in-flight", type=int, default=2, help="step plans out at once")
     args = parser.parse_args(argv)
     bootstrap = require_bootstrap(args, parser)
+    exit_on_sigterm()
     options = SchedulingOptions(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -13,6 +13,7 @@ result has travelled back (the scheduler counts them as output placeholders).
 
 from __future__ import annotations
 
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ from parkade.schemas import (
 from parkade.services.bus.base import Headers, Outgoing
 from parkade.services.scheduler.scheduler import Scheduler, SchedulerConfig
 
+_REMEMBER_FINISHED = 100_000  # finished request ids kept to drop redelivered duplicates
+
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulingOptions:
@@ -48,15 +51,25 @@ class SchedulingOptions:
 class SchedulerHandler:
     def __init__(self, options: SchedulingOptions) -> None:
         self.options = options
+        self.scheduler_id = uuid.uuid4().hex
         self.scheduler: Scheduler | None = None
         self.executor_id: str | None = None
+        self.retired_executors: set[str] = set()  # their late heartbeats must not switch back
+        self.finished: OrderedDict[str, None] = OrderedDict()  # to drop redelivered requests
         self.pending: dict[str, EngineRequest] = {}  # before an executor has announced itself
         self.in_flight: OrderedDict[int, StepPlan] = OrderedDict()
         self.headers: dict[str, Headers] = {}  # per request: trace context to pass on
 
+    def on_step_results(self, message: StepResult | ExecutorAnnouncement) -> list[Outgoing]:
+        if isinstance(message, ExecutorAnnouncement):
+            return self.on_announcement(message)
+        return self.on_step_result(message)
+
     def on_announcement(self, announcement: ExecutorAnnouncement) -> list[Outgoing]:
-        if announcement.executor_id == self.executor_id:
-            return []  # a heartbeat
+        if announcement.executor_id == self.executor_id or announcement.executor_id in self.retired_executors:
+            return []  # a heartbeat, or a late one of an executor already replaced
+        if self.executor_id is not None:
+            self.retired_executors.add(self.executor_id)
         self.executor_id = announcement.executor_id
         if self.scheduler is not None:
             # NOTE: assumes the replacement has the same geometry (same model and settings).
@@ -88,13 +101,23 @@ class SchedulerHandler:
     def on_tokenized(self, message: EngineRequest | FinishRequest, headers: Headers = ()) -> list[Outgoing]:
         request_id = message.request_id
         if isinstance(message, FinishRequest):
-            self.pending.pop(request_id, None)
+            if self.pending.pop(request_id, None) is not None:  # never reached the scheduler
+                event = GeneratedTokens(
+                    request_id=request_id,
+                    index=0,
+                    token_ids=(),
+                    finish_reason=message.reason,
+                    stop_reason=message.stop_reason,
+                )
+                return [self._generated(event)]
             event = (
                 self.scheduler.finish_request(request_id, message.reason, message.stop_reason)
                 if self.scheduler
                 else None
             )
             return [self._generated(event)] if event is not None else []
+        if request_id in self.finished:
+            return []  # a redelivered request that already ran
         self.headers.setdefault(request_id, headers)
         if self.scheduler is None:
             self.pending.setdefault(request_id, message)
@@ -142,7 +165,7 @@ class SchedulerHandler:
             plan = self.scheduler.schedule()
             if not (plan.num_scheduled_tokens or plan.finished_request_ids or plan.preempted_request_ids):
                 break
-            plan = msgspec.structs.replace(plan, executor_id=self.executor_id)
+            plan = msgspec.structs.replace(plan, executor_id=self.executor_id, scheduler_id=self.scheduler_id)
             self.in_flight[plan.step_id] = plan
             out.append(Outgoing(topics.STEP_PLANS, plan))
         if not self.in_flight:
@@ -153,4 +176,7 @@ class SchedulerHandler:
         headers = self.headers.get(event.request_id, ())
         if event.finish_reason is not None:
             self.headers.pop(event.request_id, None)
+            self.finished[event.request_id] = None
+            if len(self.finished) > _REMEMBER_FINISHED:
+                self.finished.popitem(last=False)
         return Outgoing(topics.GENERATED, event, event.request_id, headers)

@@ -15,6 +15,7 @@ from parkade.services.executor.model_config import ModelConfig
 from parkade.services.runtime import (
     add_bus_arguments,
     announce_ready,
+    exit_on_sigterm,
     on_kafka,
     require_bootstrap,
     run_until_signalled,
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="Hugging Face model folder (its tokenizer)")
     args = parser.parse_args(argv)
     bootstrap = require_bootstrap(args, parser)
+    exit_on_sigterm()
     handler = make_handler(args.model)
 
     async def serve_forever(stop: asyncio.Event) -> None:

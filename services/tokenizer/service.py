@@ -68,7 +68,7 @@ class TokenizerHandler:
             return []  # a redelivered request
         try:
             token_ids = self._tokenize(message)
-        except (ValueError, TypeError) as error:  # jinja and tokenizer errors are ValueErrors
+        except Exception as error:  # a bad prompt or chat template fails this request only
             self._remember_finished(request_id)
             return [error_event(request_id, str(error), headers)]
         params = message.sampling_params
@@ -102,10 +102,19 @@ class TokenizerHandler:
         return token_ids
 
     def on_generated(self, message: GeneratedTokens) -> list[Outgoing]:
-        stream = self.streams.get(message.request_id)
-        if stream is None or (message.index < stream.next_index and message.token_ids):
-            return []  # finished already, or a redelivered message
         request_id = message.request_id
+        stream = self.streams.get(request_id)
+        if stream is None:
+            if request_id in self._finished or message.finish_reason is not None:
+                return []  # finished already
+            # Tokens of a request this tokenizer never saw (it restarted): the text cannot be
+            # rebuilt, so end the client's stream with an error and stop the scheduler.
+            self._remember_finished(request_id)
+            reason = "the tokenizer lost this request's state (restarted)"
+            finish = FinishRequest(request_id=request_id, reason=FinishReason.ABORT)
+            return [error_event(request_id, reason), Outgoing(topics.TOKENIZED, finish, request_id)]
+        if message.index < stream.next_index and message.token_ids:
+            return []  # a redelivered message
         if message.error is not None:
             self._close(request_id)
             return [error_event(request_id, message.error, stream.headers)]

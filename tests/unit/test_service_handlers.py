@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from fakes import FakeExecutor
 from hf_reference import STORIES
@@ -18,6 +19,7 @@ from parkade.schemas import (
     GeneratedTokens,
     GenerateRequest,
     SamplingParams,
+    StepPlan,
     StepResult,
     topics,
 )
@@ -117,13 +119,7 @@ def drive(handler, executor, rounds=50, seen_plans=None):
         if seen_plans is not None:
             seen_plans += plans
         for plan in plans:
-            result = executor.execute(plan)
-            result = type(result)(
-                **{
-                    **{f: getattr(result, f) for f in result.__struct_fields__},
-                    "executor_id": plan.executor_id,
-                }
-            )
+            result = msgspec.structs.replace(executor.execute(plan), executor_id=plan.executor_id)
             for o in handler.on_step_result(result):
                 out.setdefault(o.message.request_id, []).append(o.message)
             assert handler.on_step_result(result) == []  # a redelivered result changes nothing
@@ -182,3 +178,87 @@ def test_finish_request_from_the_tokenizer_ends_the_request():
     (out,) = handler.on_tokenized(FinishRequest(request_id="a", reason=FinishReason.STOP, stop_reason="zz"))
     assert (out.message.finish_reason, out.message.stop_reason) == ("stop", "zz")
     assert handler.on_tokenized(FinishRequest(request_id="a")) == []
+
+
+def test_an_abort_before_any_executor_still_ends_the_stream():
+    handler = SchedulerHandler(SchedulingOptions())
+    handler.on_tokenized(engine_request("a"))
+    (out,) = handler.on_tokenized(FinishRequest(request_id="a"))
+    assert out.message.finish_reason == "abort"
+    handler.on_announcement(announce())
+    assert handler.next_plans() == []
+
+
+def test_a_finished_request_delivered_again_does_not_run_again():
+    handler = SchedulerHandler(SchedulingOptions())
+    handler.on_announcement(announce())
+    handler.on_tokenized(engine_request("a", max_tokens=2))
+    out = drive(handler, FakeExecutor(vocab_size=50, seed=3, block_size=4))
+    assert out["a"][-1].finish_reason is not None
+    assert handler.on_tokenized(engine_request("a", max_tokens=2)) == []
+    assert handler.next_plans() == []
+
+
+def test_a_late_heartbeat_of_a_replaced_executor_is_ignored():
+    handler = SchedulerHandler(SchedulingOptions())
+    handler.on_announcement(announce("e1"))
+    handler.on_announcement(announce("e2"))
+    handler.on_tokenized(engine_request("a"))
+    plans = handler.next_plans()
+    assert handler.on_announcement(announce("e1")) == [] and handler.executor_id == "e2"
+    assert len(handler.in_flight) == len(plans) > 0
+
+
+class _CountingExecutor:
+    """Stands in for Executor: counts executions and holds request state to be cleared."""
+
+    num_blocks, block_size = 8, 4
+
+    def __init__(self):
+        self.executed = []
+        self.requests = {"old": object()}
+
+    def execute(self, plan):
+        self.executed.append(plan.step_id)
+        return StepResult(step_id=plan.step_id)
+
+
+def test_executor_handler_runs_each_plan_once_and_follows_a_new_scheduler():
+    from parkade.services.executor.service import ExecutorHandler
+
+    fake = _CountingExecutor()
+    handler = ExecutorHandler(fake, model="m", max_model_len=32, eos_token_ids=())
+    plan = StepPlan(step_id=1, executor_id=handler.executor_id, scheduler_id="s1")
+    (out,) = handler.on_plan(plan)
+    assert out.message.executor_id == handler.executor_id
+    assert handler.on_plan(plan) == []  # redelivered
+    assert handler.on_plan(msgspec.structs.replace(plan, step_id=2, executor_id="other")) == []
+    assert fake.requests == {}  # the first plan of scheduler s1 cleared state of the one before
+    fake.requests["x"] = object()
+    handler.on_plan(msgspec.structs.replace(plan, step_id=1, scheduler_id="s2"))  # a restarted scheduler
+    assert fake.executed == [1, 1] and fake.requests == {}
+
+
+def test_tokens_of_a_request_the_tokenizer_never_saw_end_its_stream(stories_tokenizer):
+    handler = TokenizerHandler(stories_tokenizer, (2,))
+    error, finish = handler.on_generated(GeneratedTokens(request_id="lost", index=3, token_ids=(5,)))
+    assert error.message.finish_reason == "error" and "restarted" in error.message.error
+    assert finish.message == FinishRequest(request_id="lost", reason=FinishReason.ABORT)
+    assert handler.on_generated(GeneratedTokens(request_id="lost", index=4, token_ids=(6,))) == []
+
+
+def test_a_broken_chat_template_fails_only_its_request(stories_tokenizer):
+    class Broken:
+        def __len__(self):
+            return 512
+
+        def apply_chat_template(self, *args, **kwargs):
+            from jinja2 import TemplateError
+
+            raise TemplateError("only user and assistant roles")
+
+    handler = TokenizerHandler(Broken(), (2,))
+    (out,) = handler.on_request(
+        GenerateRequest(request_id="c", messages=(ChatMessage(role="x", content="hi"),))
+    )
+    assert out.message.finish_reason == "error" and "roles" in out.message.error
