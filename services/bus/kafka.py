@@ -102,6 +102,11 @@ class KafkaBus:
         return KafkaConsumer(consumer, group_id)
 
     async def create_topics(self, topics: list[str]) -> None:
+        """Create missing topics with one partition each, and refuse existing ones with more.
+
+        NOTE: one partition is what gives the services their order: step results in step order,
+        and a request's records in the order they were sent across the topics it crosses.
+        """
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, client_id=self.client_id)
         await admin.start()
         try:
@@ -112,6 +117,12 @@ class KafkaBus:
             if missing:
                 with contextlib.suppress(TopicAlreadyExistsError):
                     await admin.create_topics(missing)
+            for described in await admin.describe_topics(topics):
+                num_partitions = len(described.get("partitions") or ())
+                if num_partitions > 1:
+                    raise ValueError(
+                        f"topic {described['topic']} has {num_partitions} partitions; Parkade needs 1"
+                    )
         finally:
             await admin.close()
 

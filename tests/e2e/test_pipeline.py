@@ -167,3 +167,23 @@ def test_bad_records_get_an_error_event_or_a_dead_letter_and_disturb_nothing(boo
 
 async def _collect(client, prompt, params):
     return [e async for e in client.generate(prompt=prompt, sampling_params=params)]
+
+
+def test_a_topic_with_several_partitions_is_refused(bootstrap_servers):
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    name = f"t{uuid.uuid4().hex[:8]}.step-plans"
+
+    async def main():
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+        await admin.start()
+        await admin.create_topics([NewTopic(name, num_partitions=2, replication_factor=1)])
+        await admin.close()
+        bus = KafkaBus(bootstrap_servers)
+        try:
+            with pytest.raises(ValueError, match="has 2 partitions; Parkade needs 1"):
+                await bus.create_topics([name])
+        finally:
+            await bus.close()
+
+    asyncio.run(main())
