@@ -41,24 +41,25 @@ class EngineArgs:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
+    def scheduler_config(self, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's settings over a pool of `num_blocks` (validates them)."""
+        return SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.scheduling_policy,
+            admission=self.admission,
+        )
+
 
 def build_engine_parts(args: EngineArgs) -> tuple[ModelConfig, Scheduler, Executor]:
     """Load the model, size the KV pool, and give the scheduler the pool's block count."""
     model_config, executor, max_model_len = build_executor(args)
-    scheduler = Scheduler(
-        SchedulerConfig(
-            num_blocks=executor.num_blocks,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=args.enable_prefix_caching,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            policy=args.scheduling_policy,
-            admission=args.admission,
-        )
-    )
-    return model_config, scheduler, executor
+    return model_config, Scheduler(args.scheduler_config(executor.num_blocks, max_model_len)), executor
 
 
 def build_executor(args: EngineArgs) -> tuple[ModelConfig, Executor, int]:
@@ -71,16 +72,7 @@ def build_executor(args: EngineArgs) -> tuple[ModelConfig, Executor, int]:
             f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
             f"{model_config.max_position_embeddings}"
         )
-    # Validate the cheap settings before loading weights.
-    SchedulerConfig(
-        num_blocks=1,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        policy=args.scheduling_policy,
-        admission=args.admission,
-    )
+    args.scheduler_config(1, max_model_len)  # validate the cheap settings before loading weights
     kv_bytes = args.kv_cache_memory_bytes
     if kv_bytes is None and device.type == "cpu":
         # Enough for every sequence at full length, capped; tiny models get a small pool.
