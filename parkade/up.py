@@ -188,7 +188,7 @@ async def _serve(args: argparse.Namespace, model: Path, children: list[Child], s
     }
     _write_state(state)
     _print_instructions(bootstrap, args.topic_prefix, model, log_dir)
-    await _until(_first_exit(services), stop, None)
+    await _until(_first_exit(children), stop, None)  # the broker too: without it nothing works
     return stop.is_set()
 
 
@@ -276,9 +276,9 @@ async def _all_ready(services: list[Child]) -> bool:
     return True
 
 
-async def _first_exit(services: list[Child]) -> bool:
-    """Wait until a service exits by itself: a failure, as they run until they are stopped."""
-    waits = {asyncio.ensure_future(c.exited()): c for c in services}
+async def _first_exit(children: list[Child]) -> bool:
+    """Wait until a child exits by itself: a failure, as they run until they are stopped."""
+    waits = {asyncio.ensure_future(c.exited()): c for c in children}
     done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:
         task.cancel()
