@@ -71,11 +71,18 @@ class SchedulerHandler:
         if self.executor_id is not None:
             self.retired_executors.add(self.executor_id)
         self.executor_id = announcement.executor_id
+        geometry = (announcement.num_blocks, announcement.block_size, announcement.max_model_len)
+        out: list[Outgoing] = []
         if self.scheduler is not None:
-            # NOTE: assumes the replacement has the same geometry (same model and settings).
             self.in_flight.clear()
-            self.scheduler.reset_executor()
-            return []
+            config = self.scheduler.config
+            if (config.num_blocks, config.block_size, config.max_model_len) == geometry:
+                self.scheduler.reset_executor()  # same pool shape: recompute everything there
+                return []
+            # A different pool: block ids and limits of the old one mean nothing there. End the
+            # live requests with an error rather than run them on a page table that does not fit.
+            for request_id in list(self.scheduler.requests):
+                out.append(self._refused(request_id, "the executor was replaced by one with another KV pool"))
         o = self.options
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -92,7 +99,6 @@ class SchedulerHandler:
                 admission=o.admission,
             )
         )
-        out: list[Outgoing] = []
         for request in self.pending.values():
             out += self._add(request)
         self.pending.clear()
@@ -131,16 +137,14 @@ class SchedulerHandler:
         try:
             self.scheduler.add(request)
         except ValueError as error:
-            refused = GeneratedTokens(
-                request_id=request.request_id,
-                index=0,
-                token_ids=(),
-                finish_reason=FinishReason.ERROR,
-                error=str(error),
-                num_prompt_tokens=len(request.prompt_token_ids),
-            )
-            return [self._generated(refused)]
+            return [self._refused(request.request_id, str(error))]
         return []
+
+    def _refused(self, request_id: str, error: str) -> Outgoing:
+        event = GeneratedTokens(
+            request_id=request_id, index=0, token_ids=(), finish_reason=FinishReason.ERROR, error=error
+        )
+        return self._generated(event)
 
     def on_step_result(self, result: StepResult) -> list[Outgoing]:
         if (

@@ -262,3 +262,18 @@ def test_a_broken_chat_template_fails_only_its_request(stories_tokenizer):
         GenerateRequest(request_id="c", messages=(ChatMessage(role="x", content="hi"),))
     )
     assert out.message.finish_reason == "error" and "roles" in out.message.error
+
+
+def test_an_executor_with_another_pool_ends_live_requests_with_an_error():
+    handler = SchedulerHandler(SchedulingOptions())
+    handler.on_announcement(announce("e1", num_blocks=64))
+    handler.on_tokenized(engine_request("a"))
+    handler.next_plans()
+    (out,) = handler.on_announcement(announce("e2", num_blocks=32))
+    assert out.message.request_id == "a" and out.message.finish_reason == "error"
+    assert "another KV pool" in out.message.error
+    assert handler.scheduler.config.num_blocks == 32 and not handler.scheduler.requests
+    handler.on_tokenized(engine_request("b"))
+    assert (
+        drive(handler, FakeExecutor(vocab_size=50, seed=5, block_size=4))["b"][-1].finish_reason is not None
+    )
