@@ -8,6 +8,7 @@ from parkade.schemas.engine import (
     FinishReason,
     FinishRequest,
     GeneratedTokens,
+    SchedulerAnnouncement,
     TokenLogprobs,
 )
 from parkade.schemas.events import TokenEvent, Usage
@@ -36,6 +37,7 @@ __all__ = [
     "GeneratedTokens",
     "NewRequestData",
     "SamplingParams",
+    "SchedulerAnnouncement",
     "StepPlan",
     "StepResult",
     "TokenEvent",

@@ -75,4 +75,12 @@ class GeneratedTokens(msgspec.Struct, frozen=True, kw_only=True, tag="generated_
     error: str | None = None  # with finish_reason "error": why the request was refused
 
 
+class SchedulerAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="scheduler_announcement"):
+    """Sent by a scheduler when it starts, on the generated topic. A new `scheduler_id` means the
+    requests of the one before are gone (its page table lived in memory): the tokenizer ends
+    their streams with an error."""
+
+    scheduler_id: str
+
+
 SchedulerInMessage = EngineRequest | FinishRequest

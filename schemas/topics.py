@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from parkade.schemas.engine import EngineRequest, FinishRequest, GeneratedTokens
+from parkade.schemas.engine import EngineRequest, FinishRequest, GeneratedTokens, SchedulerAnnouncement
 from parkade.schemas.events import TokenEvent
 from parkade.schemas.requests import AbortRequest, GenerateRequest
 from parkade.schemas.steps import ExecutorAnnouncement, StepPlan, StepResult
@@ -32,7 +32,7 @@ TOPIC_TYPES: dict[str, Any] = {
     TOKENIZED: EngineRequest | FinishRequest,
     STEP_PLANS: StepPlan,
     STEP_RESULTS: StepResult | ExecutorAnnouncement,
-    GENERATED: GeneratedTokens,
+    GENERATED: GeneratedTokens | SchedulerAnnouncement,
     TOKENS: TokenEvent,
 }
 

@@ -7,7 +7,7 @@ import asyncio
 
 from parkade.schemas import topics
 from parkade.services.bus.base import Bus
-from parkade.services.bus.serve import serve
+from parkade.services.bus.serve import send_all, serve
 from parkade.services.runtime import (
     add_bus_arguments,
     announce_ready,
@@ -22,6 +22,7 @@ GROUP_ID = "parkade-scheduler"
 
 
 async def run(bus: Bus, handler: SchedulerHandler, *, prefix: str, stop: asyncio.Event, ready=None) -> None:
+    await send_all(bus, [handler.announcement()], prefix)
     await serve(
         bus,
         prefix=prefix,

@@ -25,6 +25,7 @@ from parkade.schemas import (
     FinishReason,
     FinishRequest,
     GeneratedTokens,
+    SchedulerAnnouncement,
     StepPlan,
     StepResult,
     topics,
@@ -59,6 +60,10 @@ class SchedulerHandler:
         self.pending: dict[str, EngineRequest] = {}  # before an executor has announced itself
         self.in_flight: OrderedDict[int, StepPlan] = OrderedDict()
         self.headers: dict[str, Headers] = {}  # per request: trace context to pass on
+
+    def announcement(self) -> Outgoing:
+        """Sent once at start, so the tokenizer can tell a restart."""
+        return Outgoing(topics.GENERATED, SchedulerAnnouncement(scheduler_id=self.scheduler_id))
 
     def on_step_results(self, message: StepResult | ExecutorAnnouncement) -> list[Outgoing]:
         if isinstance(message, ExecutorAnnouncement):

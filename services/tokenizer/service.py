@@ -4,6 +4,7 @@
                      AbortRequest    -> FinishRequest(abort) (tokenized topic)
     generated topic  GeneratedTokens -> TokenEvent (tokens topic): text deltas, stop strings;
                      a matched stop string also sends FinishRequest(stop) to the scheduler
+                     SchedulerAnnouncement of a new scheduler -> error events for open streams
 
 Idempotent under redelivery: a request id is tokenized once, and token messages whose index is
 behind the stream's are dropped. A request that cannot be served gets one TokenEvent with
@@ -25,6 +26,7 @@ from parkade.schemas import (
     FinishRequest,
     GeneratedTokens,
     GenerateRequest,
+    SchedulerAnnouncement,
     TokenEvent,
     Usage,
     topics,
@@ -56,6 +58,7 @@ class TokenizerHandler:
         self.vocab_size = len(tokenizer)
         self.streams: dict[str, _Stream] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
+        self.scheduler_id: str | None = None
 
     def on_request(self, message: GenerateRequest | AbortRequest, headers: Headers = ()) -> list[Outgoing]:
         request_id = message.request_id
@@ -101,7 +104,25 @@ class TokenizerHandler:
             )
         return token_ids
 
-    def on_generated(self, message: GeneratedTokens) -> list[Outgoing]:
+    def on_generated(self, message: GeneratedTokens | SchedulerAnnouncement) -> list[Outgoing]:
+        if isinstance(message, SchedulerAnnouncement):
+            return self.on_scheduler_announcement(message)
+        return self.on_tokens(message)
+
+    def on_scheduler_announcement(self, message: SchedulerAnnouncement) -> list[Outgoing]:
+        """A new scheduler knows none of the running requests: end their streams."""
+        previous, self.scheduler_id = self.scheduler_id, message.scheduler_id
+        if previous is None or previous == message.scheduler_id:
+            return []
+        out = []
+        for request_id, stream in list(self.streams.items()):
+            self._close(request_id)
+            out.append(
+                error_event(request_id, "the scheduler restarted and lost this request", stream.headers)
+            )
+        return out
+
+    def on_tokens(self, message: GeneratedTokens) -> list[Outgoing]:
         request_id = message.request_id
         stream = self.streams.get(request_id)
         if stream is None:

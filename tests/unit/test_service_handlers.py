@@ -277,3 +277,17 @@ def test_an_executor_with_another_pool_ends_live_requests_with_an_error():
     assert (
         drive(handler, FakeExecutor(vocab_size=50, seed=5, block_size=4))["b"][-1].finish_reason is not None
     )
+
+
+def test_a_restarted_scheduler_ends_the_open_streams(stories_tokenizer):
+    from parkade.schemas import SchedulerAnnouncement
+
+    handler = TokenizerHandler(stories_tokenizer, (2,))
+    assert handler.on_generated(SchedulerAnnouncement(scheduler_id="s1")) == []  # the first one
+    handler.on_request(GenerateRequest(request_id="r", prompt="Once"))
+    assert handler.on_generated(SchedulerAnnouncement(scheduler_id="s1")) == []  # the same one again
+    (out,) = handler.on_generated(SchedulerAnnouncement(scheduler_id="s2"))
+    assert out.message.request_id == "r" and out.message.finish_reason == "error"
+    assert "scheduler restarted" in out.message.error and not handler.streams
+    scheduler = SchedulerHandler(SchedulingOptions())
+    assert scheduler.announcement().message == SchedulerAnnouncement(scheduler_id=scheduler.scheduler_id)
