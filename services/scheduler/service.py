@@ -89,15 +89,17 @@ class SchedulerHandler:
             for request_id in list(self.scheduler.requests):
                 out.append(self._refused(request_id, "the executor was replaced by one with another KV pool"))
         o = self.options
+        # Without chunked prefill a whole (resumed) request must fit one step's budget.
+        budget = o.max_num_batched_tokens
+        if not o.enable_chunked_prefill:
+            budget = max(budget, announcement.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=announcement.num_blocks,
                 block_size=announcement.block_size,
                 max_model_len=announcement.max_model_len,
                 max_num_seqs=o.max_num_seqs,
-                max_num_batched_tokens=max(o.max_num_batched_tokens, 1)
-                if o.enable_chunked_prefill
-                else max(o.max_num_batched_tokens, announcement.max_model_len),
+                max_num_batched_tokens=budget,
                 enable_prefix_caching=o.enable_prefix_caching,
                 enable_chunked_prefill=o.enable_chunked_prefill,
                 policy=o.policy,
