@@ -81,6 +81,3 @@ class SchedulerAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="sche
     their streams with an error."""
 
     scheduler_id: str
-
-
-SchedulerInMessage = EngineRequest | FinishRequest

@@ -42,6 +42,3 @@ class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):
     """Stop a request; aborting an unknown or finished request is a no-op (idempotent)."""
 
     request_id: str
-
-
-RequestsMessage = GenerateRequest | AbortRequest

@@ -138,9 +138,6 @@ class KVCacheManager:
                 self.pool.uncache(block_id)
         self.pool.free(reversed(table))
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
-
     def check_integrity(self) -> None:
         """free + used = total, and every block's ref_cnt equals its block-table references."""
         references: Counter[int] = Counter()

@@ -83,10 +83,6 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids) :]
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 
