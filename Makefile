@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# Starts `parkade up` (demo model, local broker) in the background, streams one completion with
-# `parkade generate`, stops it; see scripts/demo.sh.
+# Starts `parkade up` (the shipped stories260K, local broker) in the background, streams one story
+# with `parkade generate`, stops it; see scripts/demo.sh.
 demo: $(STAMP)
 	VENV=$(VENV) bash scripts/demo.sh
 

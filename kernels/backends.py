@@ -6,22 +6,38 @@ A backend is a module with `write_kv_cache` and `paged_attention_varlen` (same s
 
 from __future__ import annotations
 
+import enum
 import importlib
 import os
 import sys
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # NOTE: the enum is imported by torch-free option classes
+    import torch
 
-ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+class AttentionBackend(enum.StrEnum):
+    AUTO = "auto"  # Triton on CUDA, torch elsewhere
+    TRITON = "triton"
+    TORCH = "torch"
+
+    @classmethod
+    def parse(cls, value: AttentionBackend | str) -> AttentionBackend:
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(m.value for m in cls)
+            raise ValueError(f"attention_backend must be one of {choices}; got {value!r}") from None
 
 
-def get_attention_backend(name: str, device: torch.device) -> ModuleType:
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
+def get_attention_backend(name: AttentionBackend | str, device: torch.device) -> ModuleType:
+    """The kernels module for `name` on `device`. Raises ValueError for an unknown name or a
+    backend that cannot run there."""
+    backend = AttentionBackend.parse(name)
+    if backend is AttentionBackend.AUTO:
+        backend = AttentionBackend.TRITON if device.type == "cuda" else AttentionBackend.TORCH
+    if backend is AttentionBackend.TORCH:
         return importlib.import_module("parkade.kernels.attention_torch")
     if device.type == "cpu":
         # NOTE: Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. on first import.

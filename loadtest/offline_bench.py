@@ -23,13 +23,15 @@ from pathlib import Path
 
 import torch
 
+from parkade.engine.args import EngineArgs
+from parkade.engine.engine import Engine
+from parkade.models import DEFAULT_MODEL
 from parkade.schemas import SamplingParams, StepPlan
-from parkade.services.engine.args import EngineArgs
-from parkade.services.engine.engine import Engine
+from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor.kv_pool import bytes_per_block
-from parkade.services.executor.model_config import ModelConfig
+from parkade.services.scheduler.config import AdmissionMode
 
-STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K/hf"
+STORIES = DEFAULT_MODEL  # the trained stories260K that ships with Parkade
 OPENINGS = [
     "Once upon a time",
     "Lily and Tom went to the park",
@@ -53,7 +55,7 @@ def make_workload(n: int, seed: int, max_tokens: int) -> list[tuple[str, Samplin
     ]
 
 
-def run(args: argparse.Namespace, admission: str) -> dict:
+def run(args: argparse.Namespace, admission: AdmissionMode) -> dict:
     config = ModelConfig.from_pretrained(args.model, args.dtype)
     kv_bytes = (args.kv_tokens // args.block_size) * bytes_per_block(config, args.block_size, config.dtype)
     engine = Engine(
@@ -120,7 +122,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    results = {mode: run(args, mode) for mode in ("paged", "reserve")}
+    results = {mode.value: run(args, mode) for mode in AdmissionMode}
     paged, reserve = results["paged"], results["reserve"]
     ratio = paged["output_tokens_per_s"] / reserve["output_tokens_per_s"]
     machine = f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"

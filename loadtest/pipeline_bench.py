@@ -36,13 +36,14 @@ import torch
 
 from parkade import AsyncLLM, SamplingParams
 from parkade.client import Client
+from parkade.models import DEFAULT_MODEL
 from parkade.schemas import topics
 from parkade.services.bus.kafka import KafkaBus, wait_for_broker
+from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor.kv_pool import bytes_per_block
-from parkade.services.executor.model_config import ModelConfig
 from parkade.up import Child
 
-STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K/hf"
+STORIES = DEFAULT_MODEL  # the trained stories260K that ships with Parkade
 OPENINGS = [
     "Once upon a time",
     "Lily and Tom went to the park",

@@ -1,28 +1,30 @@
 """Parkade: LLM serving with PagedAttention and continuous batching.
 
-`from parkade import LLM, SamplingParams` gives the offline API shaped like vLLM's. The engine
-(and torch) is imported on first use, so that the scheduler service can import `parkade` without
-torch.
+`from parkade import LLM, SamplingParams` gives the offline API shaped like vLLM's; with no model
+given it serves `DEFAULT_MODEL`, the trained stories260K that ships inside the package. The
+engine (and torch) is imported on first use, so that the scheduler service can import `parkade`
+without torch.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from parkade.models import DEFAULT_MODEL
 from parkade.schemas.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from parkade.services.engine.async_llm import AsyncLLM
-    from parkade.services.engine.llm import LLM
-    from parkade.services.engine.outputs import CompletionOutput, RequestOutput
+    from parkade.engine.async_llm import AsyncLLM
+    from parkade.engine.llm import LLM
+    from parkade.engine.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["DEFAULT_MODEL", "LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 _LAZY = {
-    "LLM": "parkade.services.engine.llm",
-    "AsyncLLM": "parkade.services.engine.async_llm",
-    "RequestOutput": "parkade.services.engine.outputs",
-    "CompletionOutput": "parkade.services.engine.outputs",
+    "LLM": "parkade.engine.llm",
+    "AsyncLLM": "parkade.engine.async_llm",
+    "RequestOutput": "parkade.engine.outputs",
+    "CompletionOutput": "parkade.engine.outputs",
 }
 
 

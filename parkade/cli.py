@@ -1,104 +1,153 @@
 """The `parkade` command.
 
-parkade up [--model DIR] [--topic-prefix P] [--port N]
-    run broker (unless $KAFKA_BOOTSTRAP_SERVERS is set), tokenizer, scheduler and executor here
-parkade generate "prompt" [--max-tokens N] [--temperature T] [--top-p P] [--seed S] [--stop STR]...
+parkade up [--model DIR] [engine and scheduling flags]
+    run the broker (unless $KAFKA_BOOTSTRAP_SERVERS is set), tokenizer, scheduler and executor
+parkade generate "prompt" [generation flags]
     send one request to a running Parkade and stream the completion to stdout
+parkade offline "prompt" [--model DIR] [engine and scheduling flags] [generation flags]
+    run the in-process engine on one prompt and stream the completion to stdout
 parkade tokenizer | scheduler | executor [--help]
     run one service (what `parkade up` starts)
-parkade offline "prompt" [--model DIR] [--max-tokens N] [--temperature T] [--seed S]
-    run the in-process engine on one prompt and stream the completion to stdout
+
+`generate` and `offline` take the same generation flags, with the same defaults. Without --model,
+Parkade serves the stories260K model it ships with. Every --help shows the defaults.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
-import os
 import sys
 import uuid
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 from parkade import up
+from parkade.schemas import FinishReason, SamplingParams, TokenEvent
+from parkade.services import SERVICES
+from parkade.services.common.flags import Flag, add_flags, flag_values, struct_flags
 
 if TYPE_CHECKING:
-    from parkade.schemas import SamplingParams
+    from parkade.engine.outputs import RequestOutput
 
-SERVICES = ("tokenizer", "scheduler", "executor")
+_SAMPLING_HELP = {
+    "temperature": "0: greedy",
+    "top_p": "keep the most likely tokens up to this probability mass",
+    "top_k": "keep the k most likely tokens; 0 or -1: all",
+    "min_p": "drop tokens less likely than min_p times the most likely",
+    "repetition_penalty": "> 1 discourages tokens already in the prompt or output",
+    "presence_penalty": "subtracted from the logit of every token already in the output",
+    "frequency_penalty": "subtracted per occurrence in the output",
+    "seed": "seed of this request's sampling; unset: the engine's generator",
+    "max_tokens": "most tokens to generate",
+    "min_tokens": "tokens to generate before EOS or a stop can end the request",
+    "stop": "stop at this string (repeatable)",
+    "stop_token_ids": "stop at this token id (repeatable)",
+    "ignore_eos": "keep generating past EOS",
+    "include_stop_str_in_output": "keep the stop string at the end of the text",
+    "skip_special_tokens": "leave special tokens out of the text",
+}
+# NOTE: the CLI's one departure from SamplingParams' defaults: 16 tokens is short for a look.
+_CLI_DEFAULTS = {"max_tokens": 64}
+GENERATION_FLAGS = [
+    dataclasses.replace(flag, default=_CLI_DEFAULTS.get(flag.name, flag.default))
+    for flag in struct_flags(SamplingParams, _SAMPLING_HELP, exclude=("logprobs",))
+]
 
-# The trained demo model that ships beside the repository (see shared/models/stories260K).
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent.parent / "shared/models/stories260K/hf"
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's line breaks."""
+
+
+def _sampling_params(command: str, args: argparse.Namespace) -> SamplingParams | None:
+    """The request's SamplingParams, or None after printing what is wrong (exit 2)."""
+    try:
+        return SamplingParams(**flag_values(GENERATION_FLAGS, args))
+    except ValueError as error:
+        print(f"parkade {command}: {error}", file=sys.stderr)
+        return None
+
+
+async def _write_stream(prompt: str, events: AsyncIterator[tuple[str, Any]]) -> Any:
+    """Write the prompt, then each text delta as it comes; -> the last item's payload."""
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    last = None
+    async for delta, payload in events:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+        last = payload
+    sys.stdout.write("\n")
+    return last
+
+
+def _summary(finish_reason: str | None, num_tokens: int) -> None:
+    print(f"[finish_reason={finish_reason}, tokens={num_tokens}]", file=sys.stderr)
+
+
+# ---- parkade offline -------------------------------------------------------------------------
+def _engine_flags() -> list[Flag]:
+    """`EngineArgs`' fields as flags: the three services' flags, as `parkade up` takes them.
+
+    NOTE: not the engine's `seed`: here --seed seeds the one request, which is what a single
+    prompt needs."""
+    flags = {f.name: f for service in SERVICES for f in up.SERVICE_FLAGS[service]}
+    return [f for f in flags.values() if f.name != "seed"]
 
 
 def _offline(args: argparse.Namespace) -> int:
-    from parkade import AsyncLLM, SamplingParams
-
-    model = Path(args.model) if args.model else DEFAULT_MODEL
-    if not (model / "config.json").exists():
-        print(f"parkade: no model at {model}; pass --model DIR (a Hugging Face folder)", file=sys.stderr)
+    params = _sampling_params("offline", args)
+    if params is None:
         return 2
-    params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop)
-    )
+    from parkade import AsyncLLM
 
-    async def run() -> None:
-        engine = AsyncLLM(model, max_model_len=args.max_model_len)
-        sys.stdout.write(args.prompt)
+    try:
+        engine = AsyncLLM(**flag_values(_engine_flags(), args))
+    except ValueError as error:
+        print(f"parkade offline: {error}", file=sys.stderr)
+        return 2
+
+    async def deltas() -> AsyncIterator[tuple[str, RequestOutput]]:
         printed = 0
         async for output in engine.generate(args.prompt, params):
             text = output.outputs[0].text
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
+            yield text[printed:], output
             printed = len(text)
-        completion = output.outputs[0]
-        num_tokens = len(completion.token_ids)
-        sys.stdout.write(f"\n[finish_reason={completion.finish_reason}, tokens={num_tokens}]\n")
-        await engine.shutdown()
 
-    asyncio.run(run())
+    async def run() -> RequestOutput:
+        try:
+            return await _write_stream(args.prompt, deltas())
+        finally:
+            await engine.shutdown()
+
+    try:
+        output = asyncio.run(run())
+    except ValueError as error:  # the prompt cannot run (too long for max_model_len, ...)
+        print(f"parkade offline: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    completion = output.outputs[0]
+    _summary(completion.finish_reason, len(completion.token_ids))
     return 0
 
 
-def _find_broker(args: argparse.Namespace) -> tuple[str, str] | None:
-    """Bootstrap servers and topic prefix: --bootstrap-servers, else $KAFKA_BOOTSTRAP_SERVERS, else
-    the state file of a running `parkade up`."""
-    from parkade.schemas.topics import DEFAULT_PREFIX
-
-    bootstrap = args.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if bootstrap:
-        return bootstrap, args.topic_prefix or DEFAULT_PREFIX
-    state = up.read_state()
-    if state is None:
-        return None
-    return state["bootstrap_servers"], args.topic_prefix or state["topic_prefix"]
-
-
+# ---- parkade generate ------------------------------------------------------------------------
 def _generate(args: argparse.Namespace) -> int:
-    from parkade import SamplingParams
+    from parkade.client import NoBrokerError, find_broker
 
-    found = _find_broker(args)
-    if found is None:
-        print(
-            "parkade generate: no broker: start one with `parkade up`, or pass --bootstrap-servers "
-            "or set KAFKA_BOOTSTRAP_SERVERS",
-            file=sys.stderr,
-        )
+    params = _sampling_params("generate", args)
+    if params is None:
         return 2
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-            stop=tuple(args.stop),
-        )
-    except ValueError as e:
-        print(f"parkade generate: {e}", file=sys.stderr)
+        bootstrap, prefix = find_broker(args.bootstrap_servers, args.topic_prefix)
+    except NoBrokerError as error:
+        print(f"parkade generate: {error}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_stream(*found, args.prompt, params, args.timeout))
+        return asyncio.run(_stream(bootstrap, prefix, args.prompt, params, args.timeout))
     except KeyboardInterrupt:
         return 130
 
@@ -118,11 +167,14 @@ async def _stream(
         print(f"parkade generate: cannot reach the broker at {bootstrap}: {e}", file=sys.stderr)
         return 1
     request_id = uuid.uuid4().hex
+
+    async def deltas() -> AsyncIterator[tuple[str, TokenEvent]]:
+        async for event in client.generate(prompt=prompt, sampling_params=params, request_id=request_id):
+            yield event.text, event
+
     try:
         async with asyncio.timeout(timeout_s):
-            async for event in client.generate(prompt=prompt, sampling_params=params, request_id=request_id):
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
+            event = await _write_stream(prompt, deltas())
     except TimeoutError:
         await client.cancel(request_id)
         print(f"\nparkade generate: no answer within {timeout_s}s; request cancelled", file=sys.stderr)
@@ -132,18 +184,55 @@ async def _stream(
         raise
     finally:
         await client.stop()
-    sys.stdout.write("\n")
-    if event.error is not None or event.finish_reason == "error":
+    if event.error is not None or event.finish_reason is FinishReason.ERROR:
         print(f"parkade generate: error: {event.error}", file=sys.stderr)
         return 1
-    usage = f", tokens={event.usage.completion_tokens}" if event.usage is not None else ""
-    print(f"[finish_reason={event.finish_reason}{usage}]", file=sys.stderr)
+    _summary(event.finish_reason, event.usage.completion_tokens if event.usage is not None else 0)
     return 0
 
 
+# ---- the command -----------------------------------------------------------------------------
 def _service(name: str, argv: list[str]) -> int:
     """Run one service's `main` with the rest of the command line."""
     return importlib.import_module(f"parkade.services.{name}.main").main(argv)
+
+
+def _subcommand(
+    sub: Any, name: str, help_text: str, func: Callable[[argparse.Namespace], int]
+) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Formatter)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="parkade",
+        description=__doc__.split("\n")[0],
+        formatter_class=_Formatter,
+        epilog="\n".join(__doc__.split("\n")[2:]),
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in SERVICES:
+        sub.add_parser(name, help=f"run the {name} service (parkade {name} --help)", add_help=False)
+    up.add_arguments(_subcommand(sub, "up", "run Parkade on this machine until Ctrl-C", up.main))
+
+    generate = _subcommand(sub, "generate", "stream a completion from a running Parkade", _generate)
+    generate.add_argument("prompt")
+    add_flags(generate.add_argument_group("generation"), GENERATION_FLAGS)
+    generate.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds to wait for the whole answer (default: 300)"
+    )
+    generate.add_argument(
+        "--bootstrap-servers", default=None, help="default: $KAFKA_BOOTSTRAP_SERVERS, else `parkade up`'s"
+    )
+    generate.add_argument("--topic-prefix", default=None, help="default: parkade., or `parkade up`'s")
+
+    offline = _subcommand(sub, "offline", "generate with the in-process engine (no Kafka)", _offline)
+    offline.add_argument("prompt")
+    add_flags(offline.add_argument_group("generation"), GENERATION_FLAGS)
+    add_flags(offline.add_argument_group("engine"), _engine_flags())
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,41 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: a service parses its own arguments (and its own --help).
     if argv and argv[0] in SERVICES:
         return _service(argv[0], argv[1:])
-    parser = argparse.ArgumentParser(
-        prog="parkade",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.split("\n")[2:]),
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in SERVICES:
-        sub.add_parser(name, help=f"run the {name} service (parkade {name} --help)", add_help=False)
-    up_parser = sub.add_parser("up", help="run Parkade on this machine until Ctrl-C")
-    up.add_arguments(up_parser)
-    up_parser.set_defaults(func=up.main)
-    generate = sub.add_parser("generate", help="stream a completion from a running Parkade")
-    generate.add_argument("prompt")
-    generate.add_argument("--max-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default: 1.0)")
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--seed", type=int, default=None)
-    generate.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    generate.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the whole answer")
-    generate.add_argument(
-        "--bootstrap-servers", default=None, help="default: $KAFKA_BOOTSTRAP_SERVERS, else `parkade up`"
-    )
-    generate.add_argument("--topic-prefix", default=None, help="default: parkade. (or that of `parkade up`)")
-    generate.set_defaults(func=_generate)
-    offline = sub.add_parser("offline", help="generate with the in-process engine")
-    offline.add_argument("prompt")
-    offline.add_argument("--model", help="Hugging Face model folder (default: stories260K beside the repo)")
-    offline.add_argument("--max-tokens", type=int, default=64)
-    offline.add_argument("--temperature", type=float, default=0.0)
-    offline.add_argument("--seed", type=int, default=None)
-    offline.add_argument("--stop", action="append", default=[])
-    offline.add_argument("--max-model-len", type=int, default=None)
-    offline.set_defaults(func=_offline)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -1,6 +1,6 @@
 """`parkade.client`: submit requests to a running Parkade and stream their tokens.
 
-    async with Client("127.0.0.1:9092") as client:
+    async with Client() as client:   # the broker of $KAFKA_BOOTSTRAP_SERVERS or `parkade up`
         async for event in client.generate(prompt="Once upon a time", sampling_params=params):
             print(event.text, end="")
 
@@ -19,9 +19,31 @@ from typing import Any
 
 import msgspec
 
+from parkade import home
 from parkade.schemas import AbortRequest, ChatMessage, GenerateRequest, SamplingParams, TokenEvent, topics
 from parkade.services.bus.base import Bus, Outgoing
 from parkade.services.bus.serve import send_all
+
+
+class NoBrokerError(RuntimeError):
+    """No broker was given and none could be found."""
+
+
+def find_broker(bootstrap_servers: str | None = None, topic_prefix: str | None = None) -> tuple[str, str]:
+    """(bootstrap servers, topic prefix) of the Parkade to talk to: the ones given, else
+    $KAFKA_BOOTSTRAP_SERVERS, else those of the `parkade up` running on this machine.
+
+    Raises NoBrokerError when there is none."""
+    bootstrap = bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if bootstrap:
+        return bootstrap, topic_prefix or topics.DEFAULT_PREFIX
+    state = home.read_state()
+    if state is None:
+        raise NoBrokerError(
+            "no broker: start one with `parkade up`, or pass bootstrap servers (--bootstrap-servers) "
+            "or set KAFKA_BOOTSTRAP_SERVERS"
+        )
+    return state["bootstrap_servers"], topic_prefix or state["topic_prefix"]
 
 
 def new_traceparent() -> bytes:
@@ -33,18 +55,19 @@ class Client:
     def __init__(
         self,
         bootstrap_servers: str | None = None,
-        topic_prefix: str = topics.DEFAULT_PREFIX,
+        topic_prefix: str | None = None,
         *,
         bus: Bus | None = None,
     ) -> None:
+        """Talk to the broker `bootstrap_servers` (default: see `find_broker`), or over `bus`."""
         if bus is None:
             from parkade.services.bus.kafka import KafkaBus
 
-            if not bootstrap_servers:
-                raise ValueError("Client needs bootstrap_servers (or a bus)")
+            bootstrap_servers, topic_prefix = find_broker(bootstrap_servers, topic_prefix)
             bus = KafkaBus(bootstrap_servers, client_id="parkade-client")
         self.bus = bus
-        self.prefix = topic_prefix
+        self.bootstrap_servers = bootstrap_servers
+        self.prefix = topic_prefix or topics.DEFAULT_PREFIX
         self._streams: dict[str, asyncio.Queue[TokenEvent | BaseException]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._decoder = topics.decoder(topics.TOKENS)

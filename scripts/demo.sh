@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `make demo`: start Parkade on its defaults (`parkade up`: demo model, local broker) in the
-# background, stream one completion through Kafka with `parkade generate`, then stop it.
+# `make demo`: start Parkade on its defaults (`parkade up`: the shipped stories260K model, a local
+# broker) in the background, stream one story through Kafka with `parkade generate`, then stop it.
 # Exits non-zero if Parkade did not start, if generate failed, or if Parkade did not stop cleanly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,9 +41,9 @@ until is_ready; do
     sleep 0.5
 done
 
-echo '$ parkade generate "Once upon a time" --max-tokens 48'
+echo '$ parkade generate "Once upon a time" --temperature 0 --max-tokens 64'
 status=0
-"$PARKADE" generate "Once upon a time" --max-tokens 48 || status=$?
+"$PARKADE" generate "Once upon a time" --temperature 0 --max-tokens 64 || status=$?
 up_status=0
 stop_up || up_status=$?
 if ((status != 0)); then

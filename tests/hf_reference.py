@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-STORIES = Path(__file__).resolve().parents[2] / "shared/models/stories260K/hf"
+from parkade.models import DEFAULT_MODEL as STORIES  # the trained stories260K that ships with Parkade
+
+__all__ = ["STORIES", "hf_greedy"]
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:

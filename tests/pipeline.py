@@ -9,13 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parkade.services.bus.base import Bus
-from parkade.services.engine.args import EngineArgs
 from parkade.services.executor import main as executor_main
-from parkade.services.executor.service import ExecutorHandler
+from parkade.services.executor.handler import ExecutorHandler
+from parkade.services.executor.options import ExecutorOptions
 from parkade.services.scheduler import main as scheduler_main
-from parkade.services.scheduler.service import SchedulerHandler, SchedulingOptions
+from parkade.services.scheduler.config import SchedulingOptions
+from parkade.services.scheduler.handler import SchedulerHandler
 from parkade.services.tokenizer import main as tokenizer_main
-from parkade.services.tokenizer.service import TokenizerHandler
+from parkade.services.tokenizer.frontend import TokenizerOptions
+from parkade.services.tokenizer.handler import TokenizerHandler
 
 
 @dataclass
@@ -27,13 +29,14 @@ class Pipeline:
 
 @contextlib.asynccontextmanager
 async def running_pipeline(
-    bus: Bus, model: Path, *, prefix: str, options: SchedulingOptions | None = None, **engine_kwargs
+    bus: Bus, model: Path, *, prefix: str, options: SchedulingOptions | None = None, **executor_kwargs
 ) -> AsyncIterator[Pipeline]:
-    engine_kwargs.setdefault("dtype", "float32")
+    """The three handlers, built as the services' mains build them, serving on `bus`."""
+    executor_kwargs.setdefault("dtype", "float32")
     pipeline = Pipeline(
-        tokenizer_main.make_handler(str(model)),
+        tokenizer_main.build_handler(TokenizerOptions(model=model)),
         SchedulerHandler(options or SchedulingOptions()),
-        executor_main.build_handler(EngineArgs(model=model, **engine_kwargs)),
+        executor_main.build_handler(ExecutorOptions(model=model, **executor_kwargs)),
     )
     stop = asyncio.Event()
     ready = [asyncio.Event() for _ in range(3)]

@@ -5,7 +5,7 @@ process for tests. Delivery is at-least-once: a consumer commits only after its 
 succeeded, so handlers must be idempotent.
 """
 
-from parkade.services.bus.base import Bus, Consumer, Outgoing, Record
+from parkade.services.bus.base import Bus, Consumer, Outgoing, OutgoingRecord, Record
 from parkade.services.bus.memory import MemoryBus
 
-__all__ = ["Bus", "Consumer", "MemoryBus", "Outgoing", "Record"]
+__all__ = ["Bus", "Consumer", "MemoryBus", "Outgoing", "OutgoingRecord", "Record"]

@@ -1,4 +1,9 @@
-"""`Bus` and `Consumer`: what a service needs from a broker, and no more."""
+"""`Bus` and `Consumer`: what a service needs from a broker, and no more.
+
+Outgoing        a message a handler wants sent (a Struct, its unprefixed topic)
+-> OutgoingRecord  the encoded record on its full topic name, handed to `Bus.send_many`
+Record          a record read back by a `Consumer`, with its partition and offset
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ Headers = tuple[tuple[str, bytes], ...]
 
 @dataclass(frozen=True, slots=True)
 class Record:
+    """A record read from a topic."""
+
     topic: str
     value: bytes
     key: bytes | None = None
@@ -19,6 +26,16 @@ class Record:
 
     def header(self, name: str) -> bytes | None:
         return next((value for key, value in self.headers if key == name), None)
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingRecord:
+    """An encoded record to send; `topic` is the full (prefixed) topic name."""
+
+    topic: str
+    value: bytes
+    key: bytes | None = None
+    headers: Headers = ()
 
 
 class CommitError(RuntimeError):
@@ -53,6 +70,10 @@ class Bus(Protocol):
         self, topic: str, value: bytes, *, key: bytes | None = None, headers: Headers = ()
     ) -> None:
         """Send one record; returns once the broker has it."""
+        ...
+
+    async def send_many(self, records: list[OutgoingRecord]) -> None:
+        """Send records in order (per partition); returns once the broker has them all."""
         ...
 
     async def consumer(self, topics: list[str], group_id: str | None, *, from_end: bool = False) -> Consumer:

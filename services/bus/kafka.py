@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -20,7 +21,7 @@ from aiokafka.errors import (
     TopicAlreadyExistsError,
 )
 
-from parkade.services.bus.base import CommitError, Headers, Record
+from parkade.services.bus.base import CommitError, Headers, OutgoingRecord, Record
 
 # Latency matters more than batching: a step plan waits on every hop.
 _CONSUMER_SETTINGS = dict(fetch_max_wait_ms=20, enable_auto_commit=False, auto_offset_reset="earliest")
@@ -101,7 +102,7 @@ class KafkaBus:
             consumer.subscribe(topics)
         return KafkaConsumer(consumer, group_id)
 
-    async def send_many(self, records: list[Record]) -> None:
+    async def send_many(self, records: list[OutgoingRecord]) -> None:
         # Queue them all, then wait: one round trip for the batch rather than one per record.
         # The producer keeps the order within a partition.
         producer = await self._started_producer()
@@ -139,19 +140,32 @@ class KafkaBus:
             self._producer = None
 
 
+class BrokerUnreachableError(ConnectionError):
+    """No broker answered at the bootstrap servers in time."""
+
+
 async def wait_for_broker(bootstrap_servers: str, timeout_s: float = 30.0) -> None:
-    """Return once the broker answers metadata requests."""
+    """Return once the broker answers metadata requests; BrokerUnreachableError after `timeout_s`.
+
+    aiokafka's log lines about each failed attempt are silenced meanwhile: failing is what is
+    expected here, and the error says it once."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=2000)
-        try:
-            await admin.start()
-            await admin.list_topics()
-            return
-        except (KafkaConnectionError, OSError):
-            if asyncio.get_running_loop().time() > deadline:
-                raise
-            await asyncio.sleep(0.1)
-        finally:
-            with contextlib.suppress(Exception):
-                await admin.close()
+    aiokafka_log = logging.getLogger("aiokafka")
+    level = aiokafka_log.level
+    aiokafka_log.setLevel(logging.CRITICAL)
+    try:
+        while True:
+            admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=2000)
+            try:
+                await admin.start()
+                await admin.list_topics()
+                return
+            except (KafkaConnectionError, OSError) as error:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise BrokerUnreachableError(f"nothing answered within {timeout_s:g} s") from error
+                await asyncio.sleep(0.1)
+            finally:
+                with contextlib.suppress(Exception):
+                    await admin.close()
+    finally:
+        aiokafka_log.setLevel(level)

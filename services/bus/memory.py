@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from parkade.services.bus.base import Headers, Record
+from parkade.services.bus.base import Headers, OutgoingRecord, Record
 
 
 class MemoryConsumer:
@@ -66,7 +66,7 @@ class MemoryBus:
     ) -> MemoryConsumer:
         return MemoryConsumer(self, topics, group_id, from_end)
 
-    async def send_many(self, records: list[Record]) -> None:
+    async def send_many(self, records: list[OutgoingRecord]) -> None:
         for r in records:
             await self.send(r.topic, r.value, key=r.key, headers=r.headers)
 

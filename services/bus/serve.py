@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from parkade.schemas import topics
-from parkade.services.bus.base import Bus, CommitError, Outgoing, Record
+from parkade.services.bus.base import Bus, CommitError, Outgoing, OutgoingRecord, Record
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ async def send_all(bus: Bus, outgoing: list[Outgoing], prefix: str) -> None:
         value = out.message if isinstance(out.message, bytes) else topics.ENCODER.encode(out.message)
         key = out.key.encode() if out.key is not None else None
         headers = out.headers if isinstance(out.message, bytes) else (*out.headers, SCHEMA_HEADER)
-        records.append(Record(topics.topic_name(out.topic, prefix), value, key, headers))
+        records.append(OutgoingRecord(topics.topic_name(out.topic, prefix), value, key, headers))
     await bus.send_many(records)
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from parkade.kernels.backends import get_attention_backend
+from parkade.kernels.backends import AttentionBackend, get_attention_backend
 from parkade.schemas import StepPlan, StepResult
+from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor.input_batch import CachedRequestState, build_inputs
 from parkade.services.executor.kv_pool import allocate_kv_pool, num_blocks_for_budget
 from parkade.services.executor.model import load_model
-from parkade.services.executor.model_config import ModelConfig
 from parkade.services.executor.sampler import Sampler
 
 GPU_KV_SHARE = 0.85  # of the device memory left free after loading the weights
@@ -29,7 +29,7 @@ class Executor:
         block_size: int,
         kv_cache_memory_bytes: int | None,
         device: torch.device,
-        attention_backend: str = "auto",
+        attention_backend: AttentionBackend | str = AttentionBackend.AUTO,
         seed: int = 0,
     ) -> None:
         self.model_config = model_config

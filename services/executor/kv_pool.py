@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from parkade.services.executor.model_config import ModelConfig
+from parkade.services.common.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -1,27 +1,23 @@
-"""The executor service: `parkade executor --model DIR`. Its only I/O edge."""
+"""The executor service: `parkade executor [--model DIR]`. Its only I/O edge."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 from parkade.schemas import topics
 from parkade.services.bus.base import Bus
+from parkade.services.bus.runtime import run_service, service_parser
 from parkade.services.bus.serve import send_all, serve
-from parkade.services.engine.args import EngineArgs, build_executor
-from parkade.services.executor.service import ExecutorHandler
-from parkade.services.runtime import (
-    add_bus_arguments,
-    announce_ready,
-    exit_on_sigterm,
-    on_kafka,
-    require_bootstrap,
-    run_until_signalled,
-)
+from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
+from parkade.services.executor.build import build_executor
+from parkade.services.executor.handler import ExecutorHandler
+from parkade.services.executor.options import ExecutorOptions
 
 GROUP_ID = "parkade-executor"
 HEARTBEAT_S = 5.0
+FLAGS = dataclass_flags(ExecutorOptions)
 
 
 async def run(
@@ -30,7 +26,7 @@ async def run(
     *,
     prefix: str,
     stop: asyncio.Event,
-    ready=None,
+    ready: Callable[[], None] | None = None,
     heartbeat_s: float = HEARTBEAT_S,
 ) -> None:
     async def on_plan(message, record):
@@ -59,48 +55,20 @@ async def run(
             await beating
 
 
-def build_handler(args: EngineArgs) -> ExecutorHandler:
-    model_config, executor, max_model_len = build_executor(args)
+def build_handler(options: ExecutorOptions) -> ExecutorHandler:
+    model_config, executor, max_model_len = build_executor(options)
     return ExecutorHandler(
-        executor, model=str(args.model), max_model_len=max_model_len, eos_token_ids=model_config.eos_token_ids
+        executor,
+        model=str(options.model),
+        max_model_len=max_model_len,
+        eos_token_ids=model_config.eos_token_ids,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="parkade executor", description=__doc__)
-    add_bus_arguments(parser)
-    parser.add_argument("--model", required=True, help="Hugging Face model folder")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = service_parser("executor", __doc__)
+    add_flags(parser, FLAGS)
     args = parser.parse_args(argv)
-    bootstrap = require_bootstrap(args, parser)
-    exit_on_sigterm()
-    handler = build_handler(
-        EngineArgs(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            max_model_len=args.max_model_len,
-            attention_backend=args.attention_backend,
-            seed=args.seed,
-        )
+    return run_service(
+        "executor", parser, args, lambda: build_handler(ExecutorOptions(**flag_values(FLAGS, args))), run
     )
-
-    async def serve_forever(stop: asyncio.Event) -> None:
-        await on_kafka(
-            bootstrap,
-            args.topic_prefix,
-            "parkade-executor",
-            lambda bus: run(
-                bus, handler, prefix=args.topic_prefix, stop=stop, ready=announce_ready("executor")
-            ),
-        )
-
-    return run_until_signalled(serve_forever)

@@ -21,15 +21,15 @@ from torch import nn
 
 from parkade.kernels import attention_torch
 from parkade.kernels.metadata import AttentionMetadata
-from parkade.services.executor.model_config import ModelConfig
+from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor.weights import iterate_weights
 
-__all__ = ["AttentionBackend", "DecoderLM", "load_model"]
+__all__ = ["AttentionKernels", "DecoderLM", "load_model"]
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 
 
-class AttentionBackend(Protocol):
+class AttentionKernels(Protocol):
     """What an attention layer calls; `parkade.kernels.attention_torch` (a module) is one.
 
     A Triton backend provides the same two functions with the same signatures.
@@ -98,7 +98,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionKernels) -> None:
         super().__init__()
         hidden, dtype, d = config.hidden_size, config.dtype, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -150,7 +150,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, layer: int, backend: AttentionKernels) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.self_attn = Attention(config, layer, backend)
@@ -167,7 +167,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The `model.` prefix of the checkpoint names: embedding, layers, final norm."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionKernels) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
@@ -177,7 +177,7 @@ class DecoderModel(nn.Module):
 class DecoderLM(nn.Module):
     """Decoder-only causal LM over a paged KV pool. Build it with `load_model`."""
 
-    def __init__(self, config: ModelConfig, attention_backend: AttentionBackend | None = None) -> None:
+    def __init__(self, config: ModelConfig, attention_backend: AttentionKernels | None = None) -> None:
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, attention_backend or attention_torch)
@@ -190,7 +190,7 @@ class DecoderLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config)
 
-    def set_attention_backend(self, backend: AttentionBackend) -> None:
+    def set_attention_backend(self, backend: AttentionKernels) -> None:
         """Route every layer's attention through `backend` (e.g. a Triton one)."""
         for layer in self.model.layers:
             layer.self_attn.backend = backend
@@ -219,7 +219,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints sav
 
 
 def load_model(
-    config: ModelConfig, device: torch.device | str, attention_backend: AttentionBackend | None = None
+    config: ModelConfig, device: torch.device | str, attention_backend: AttentionKernels | None = None
 ) -> DecoderLM:
     """Build the model on `device` in `config.dtype` and copy in every checkpoint weight.
 

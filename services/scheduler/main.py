@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+from collections.abc import Callable
 
 from parkade.schemas import topics
 from parkade.services.bus.base import Bus
+from parkade.services.bus.runtime import run_service, service_parser
 from parkade.services.bus.serve import send_all, serve
-from parkade.services.runtime import (
-    add_bus_arguments,
-    announce_ready,
-    exit_on_sigterm,
-    on_kafka,
-    require_bootstrap,
-    run_until_signalled,
-)
-from parkade.services.scheduler.service import SchedulerHandler, SchedulingOptions
+from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
+from parkade.services.scheduler.config import SchedulingOptions
+from parkade.services.scheduler.handler import DEFAULT_MAX_IN_FLIGHT, SchedulerHandler
 
 GROUP_ID = "parkade-scheduler"
+FLAGS = dataclass_flags(SchedulingOptions)
 
 
-async def run(bus: Bus, handler: SchedulerHandler, *, prefix: str, stop: asyncio.Event, ready=None) -> None:
+async def run(
+    bus: Bus,
+    handler: SchedulerHandler,
+    *,
+    prefix: str,
+    stop: asyncio.Event,
+    ready: Callable[[], None] | None = None,
+) -> None:
     await send_all(bus, [handler.announcement()], prefix)
     await serve(
         bus,
@@ -38,37 +41,23 @@ async def run(bus: Bus, handler: SchedulerHandler, *, prefix: str, stop: asyncio
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="parkade scheduler", description=__doc__)
-    add_bus_arguments(parser)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
-    parser.add_argument("--max-in-flight", type=int, default=2, help="step plans out at once")
-    args = parser.parse_args(argv)
-    bootstrap = require_bootstrap(args, parser)
-    exit_on_sigterm()
-    options = SchedulingOptions(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        policy=args.scheduling_policy,
-        max_in_flight=args.max_in_flight,
+def add_arguments(parser) -> None:
+    """The scheduler's flags: every `SchedulingOptions` field, and --max-in-flight."""
+    add_flags(parser, FLAGS)
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=DEFAULT_MAX_IN_FLIGHT,
+        help=f"step plans out at once (default: {DEFAULT_MAX_IN_FLIGHT})",
     )
 
-    async def serve_forever(stop: asyncio.Event) -> None:
-        await on_kafka(
-            bootstrap,
-            args.topic_prefix,
-            "parkade-scheduler",
-            lambda bus: run(
-                bus,
-                SchedulerHandler(options),
-                prefix=args.topic_prefix,
-                stop=stop,
-                ready=announce_ready("scheduler"),
-            ),
-        )
 
-    return run_until_signalled(serve_forever)
+def build_handler(args) -> SchedulerHandler:
+    return SchedulerHandler(SchedulingOptions(**flag_values(FLAGS, args)), max_in_flight=args.max_in_flight)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = service_parser("scheduler", __doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_service("scheduler", parser, args, lambda: build_handler(args), run)

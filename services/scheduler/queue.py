@@ -11,39 +11,37 @@ import heapq
 from collections import deque
 from collections.abc import Iterator
 
+from parkade.services.scheduler.config import SchedulingPolicy
 from parkade.services.scheduler.request import Request
-
-POLICIES = ("fcfs", "priority")
 
 
 class WaitingQueue:
-    def __init__(self, policy: str = "fcfs") -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {policy!r}")
-        self.policy = policy
+    def __init__(self, policy: SchedulingPolicy = SchedulingPolicy.FCFS) -> None:
+        self.policy = SchedulingPolicy(policy)
+        self._fcfs = self.policy is SchedulingPolicy.FCFS
         self._fifo: deque[Request] = deque()
         self._heap: list[tuple[tuple[int, float, str], Request]] = []
 
     def add(self, request: Request) -> None:
-        if self.policy == "fcfs":
+        if self._fcfs:
             self._fifo.append(request)
         else:
             heapq.heappush(self._heap, (request.sort_key(), request))
 
     def add_preempted(self, request: Request) -> None:
-        if self.policy == "fcfs":
+        if self._fcfs:
             self._fifo.appendleft(request)
         else:
             heapq.heappush(self._heap, (request.sort_key(), request))
 
     def peek(self) -> Request:
-        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][1]
+        return self._fifo[0] if self._fcfs else self._heap[0][1]
 
     def pop(self) -> Request:
-        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[1]
+        return self._fifo.popleft() if self._fcfs else heapq.heappop(self._heap)[1]
 
     def remove(self, request: Request) -> None:
-        if self.policy == "fcfs":
+        if self._fcfs:
             self._fifo.remove(request)
         else:
             self._heap = [item for item in self._heap if item[1] is not request]
@@ -53,6 +51,6 @@ class WaitingQueue:
         return len(self._fifo) + len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        if self.policy == "fcfs":
+        if self._fcfs:
             return iter(self._fifo)
         return iter(request for _, request in sorted(self._heap, key=lambda item: item[0]))

@@ -27,41 +27,10 @@ from parkade.schemas import (
     StepPlan,
     StepResult,
 )
+from parkade.services.scheduler.config import AdmissionMode, SchedulerConfig, SchedulingPolicy
 from parkade.services.scheduler.kv_cache_manager import KVCacheManager
 from parkade.services.scheduler.queue import WaitingQueue
 from parkade.services.scheduler.request import Request, RequestStatus
-
-ADMISSION_MODES = ("paged", "reserve")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    """`admission="reserve"` reserves blocks for prompt + max_tokens when a request is admitted,
-    as servers without paging do; it exists to measure what paging saves."""
-
-    num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"
-    admission: str = "paged"
-
-    def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            # A request resumed after preemption carries prompt + outputs; without chunking it
-            # must fit one step, or it could never run again.
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) when chunked prefill is disabled"
-            )
-        if self.admission not in ADMISSION_MODES:
-            raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
 
 
 @dataclass(frozen=True)
@@ -84,7 +53,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.waiting = WaitingQueue(config.policy)
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # A request may never hold more tokens than max_model_len or the whole pool.
@@ -202,7 +171,7 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             reserved = 0
-            if self.config.admission == "reserve":
+            if self.config.admission is AdmissionMode.RESERVE:
                 reserved = max(0, self._reservation(request) - num_hit - num_new)
             blocks = self.kv.allocate_slots(request, num_new, hit_blocks, reserved)
             if blocks is None:
@@ -285,7 +254,7 @@ class Scheduler:
         )
 
     def _pick_victim(self) -> Request:
-        if self.config.policy == "priority":
+        if self.config.scheduling_policy is SchedulingPolicy.PRIORITY:
             return max(self.running, key=Request.sort_key)
         return self.running[-1]
 

@@ -1,31 +1,25 @@
-"""The tokenizer service: `parkade tokenizer --model DIR`. Its only I/O edge."""
+"""The tokenizer service: `parkade tokenizer [--model DIR]`. Its only I/O edge."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+from collections.abc import Callable
 
 import msgspec
 
 from parkade.schemas import topics
-from parkade.services.bus.base import Bus, Record
+from parkade.services.bus.base import Bus, Outgoing, Record
+from parkade.services.bus.runtime import run_service, service_parser
 from parkade.services.bus.serve import dead_letter, serve
-from parkade.services.engine.engine import load_tokenizer
-from parkade.services.executor.model_config import ModelConfig
-from parkade.services.runtime import (
-    add_bus_arguments,
-    announce_ready,
-    exit_on_sigterm,
-    on_kafka,
-    require_bootstrap,
-    run_until_signalled,
-)
-from parkade.services.tokenizer.service import TokenizerHandler, error_event
+from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
+from parkade.services.tokenizer.frontend import FrontEnd, TokenizerOptions
+from parkade.services.tokenizer.handler import TokenizerHandler, error_event
 
 GROUP_ID = "parkade-tokenizer"
+FLAGS = dataclass_flags(TokenizerOptions)
 
 
-def bad_request(record: Record, error: Exception) -> list:
+def bad_request(record: Record, error: Exception) -> list[Outgoing]:
     """An invalid request whose id can still be read gets an error event; anything else is a
     dead letter."""
     try:
@@ -38,7 +32,14 @@ def bad_request(record: Record, error: Exception) -> list:
     return [dead_letter(record, error)]
 
 
-async def run(bus: Bus, handler: TokenizerHandler, *, prefix: str, stop: asyncio.Event, ready=None) -> None:
+async def run(
+    bus: Bus,
+    handler: TokenizerHandler,
+    *,
+    prefix: str,
+    stop: asyncio.Event,
+    ready: Callable[[], None] | None = None,
+) -> None:
     await serve(
         bus,
         prefix=prefix,
@@ -57,27 +58,14 @@ async def run(bus: Bus, handler: TokenizerHandler, *, prefix: str, stop: asyncio
     )
 
 
-def make_handler(model: str) -> TokenizerHandler:
-    return TokenizerHandler(load_tokenizer(model), ModelConfig.from_pretrained(model).eos_token_ids)
+def build_handler(options: TokenizerOptions) -> TokenizerHandler:
+    return TokenizerHandler(FrontEnd.from_options(options))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="parkade tokenizer", description=__doc__)
-    add_bus_arguments(parser)
-    parser.add_argument("--model", required=True, help="Hugging Face model folder (its tokenizer)")
+    parser = service_parser("tokenizer", __doc__)
+    add_flags(parser, FLAGS)
     args = parser.parse_args(argv)
-    bootstrap = require_bootstrap(args, parser)
-    exit_on_sigterm()
-    handler = make_handler(args.model)
-
-    async def serve_forever(stop: asyncio.Event) -> None:
-        await on_kafka(
-            bootstrap,
-            args.topic_prefix,
-            "parkade-tokenizer",
-            lambda bus: run(
-                bus, handler, prefix=args.topic_prefix, stop=stop, ready=announce_ready("tokenizer")
-            ),
-        )
-
-    return run_until_signalled(serve_forever)
+    return run_service(
+        "tokenizer", parser, args, lambda: build_handler(TokenizerOptions(**flag_values(FLAGS, args))), run
+    )

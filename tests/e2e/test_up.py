@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from byte_model import make_byte_model
 
 pytestmark = pytest.mark.e2e
 
-STORIES260K = Path(__file__).resolve().parents[3] / "shared/models/stories260K/hf"
 START_TIMEOUT_S = 300  # a cold start on a busy 2-core machine: broker, imports, model load
 STOP_TIMEOUT_S = 60
 
@@ -28,6 +28,7 @@ class Up:
 
     def __init__(self, home: Path, *args: str) -> None:
         self.home = home
+        home.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "PARKADE_HOME": str(home)}
         self.env.pop("KAFKA_BOOTSTRAP_SERVERS", None)  # start the embedded broker
         self.log_path = home / "up.log"
@@ -98,17 +99,51 @@ def _run_and_stop(up: Up, prompt: str, *args: str) -> subprocess.CompletedProces
     return result
 
 
-def test_up_and_generate_on_the_demo_model(tmp_path):
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def test_up_serves_the_shipped_model_and_hands_each_service_its_flags(tmp_path):
+    flags = ["--block-size", "8", "--max-model-len", "256", "--max-num-seqs", "8"]
+    flags += ["--scheduling-policy", "priority", "--no-enable-prefix-caching", "--max-in-flight", "3"]
+    up = Up(tmp_path, *flags)
+    try:
+        state = up.wait_ready()
+        commands = {name: _cmdline(pid) for name, pid in state["pids"].items() if name != "broker"}
+        result = up.generate("Once upon a time", "--temperature", "0", "--max-tokens", "20")
+    finally:
+        code = up.stop()
+    assert code == 0, up.output()
+    executor, scheduler = " ".join(commands["executor"]), " ".join(commands["scheduler"])
+    assert "--block-size 8 --max-model-len 256" in executor and "--max-num-seqs" not in executor
+    assert "--max-num-seqs 8" in scheduler and "--scheduling-policy priority" in scheduler
+    assert "--no-enable-prefix-caching" in scheduler and "--max-in-flight 3" in scheduler
+    assert "--model" not in " ".join(commands["tokenizer"])  # the default: nothing to pass
+    assert result.returncode == 0, f"{result.stderr}\n{up.output()}"
+    # The trained stories260K, greedy: the story its authors document.
+    assert result.stdout.startswith("Once upon a time, there was a little girl named Lily"), result.stdout
+    assert "[finish_reason=length, tokens=20]" in result.stderr
+
+
+def test_up_and_generate_on_a_model_folder_given_with_model(tmp_path):
+    model = make_byte_model(tmp_path / "byte")
+    up = Up(tmp_path / "home", "--model", str(model))
+    result = _run_and_stop(up, "Once upon a time", "--max-tokens", "16", "--seed", "1", "--ignore-eos")
+    assert result.returncode == 0, f"{result.stderr}\n{up.output()}"
+    assert result.stdout.startswith("Once upon a time") and len(result.stdout) > len("Once upon a time\n")
+    assert "tokens=16" in result.stderr
+
+
+def test_ctrl_c_while_starting_stops_quietly_and_exits_0(tmp_path):
     up = Up(tmp_path)
-    result = _run_and_stop(up, "Once upon a time", "--max-tokens", "16")
-    assert result.returncode == 0, f"{result.stderr}\n{up.output()}"
-    assert result.stdout.strip(), result.stderr
-    assert "meaningless" in up.log_path.read_text()  # says plainly that the demo model is random
-
-
-@pytest.mark.skipif(not (STORIES260K / "config.json").exists(), reason="stories260K is not beside the repo")
-def test_up_and_generate_on_stories260k(tmp_path):
-    up = Up(tmp_path, "--model", str(STORIES260K))
-    result = _run_and_stop(up, "Once upon a time", "--temperature", "0", "--max-tokens", "20")
-    assert result.returncode == 0, f"{result.stderr}\n{up.output()}"
-    assert result.stdout.startswith(", there was a little girl named Lily"), result.stdout
+    executor_log = tmp_path / "logs" / "executor.log"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not executor_log.exists():  # the services are starting: loading torch and the model
+        assert up.proc.poll() is None, up.output()
+        assert time.monotonic() < deadline, up.output()
+        time.sleep(0.05)
+    assert not (tmp_path / "up.json").exists()  # not ready yet
+    up.proc.send_signal(signal.SIGINT)
+    code = up.proc.wait(STOP_TIMEOUT_S)
+    assert code == 0, up.output()
+    assert "exited with code" not in up.log_path.read_text(), up.output()

@@ -17,10 +17,10 @@ from tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from parkade import LLM, SamplingParams
-from parkade.services.engine.args import EngineArgs
-from parkade.services.engine.engine import Engine
+from parkade.engine.args import EngineArgs
+from parkade.engine.engine import Engine
+from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor.kv_pool import bytes_per_block
-from parkade.services.executor.model_config import ModelConfig
 
 MAX_NEW = 24
 SHARED_PREFIX_LEN = 37

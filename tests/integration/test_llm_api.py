@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from hf_reference import STORIES
 from transformers import AutoModelForCausalLM
 
 from parkade import LLM, AsyncLLM, SamplingParams
-from parkade.services.engine.core import EngineDeadError
+from parkade.engine.core import EngineDeadError
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +181,25 @@ def test_seeded_sampling_survives_preemption():
     assert tight.engine.core.scheduler.num_preemptions > 0
     assert roomy.engine.core.scheduler.num_preemptions == 0
     assert got == expected
+
+
+def test_generate_shows_vllms_progress_bar_when_asked(llm, capsys):
+    prompts = ["Once upon a time", "Lily and Tom", "The big dog"]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    llm.generate(prompts, params, use_tqdm=True)
+    final = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "Processed prompts" in final and "3/3" in final
+    rates = re.search(r"input: ([\d.]+) tok/s, output: ([\d.]+) tok/s", final)
+    assert rates and float(rates[1]) > 0 and float(rates[2]) > 0, final
+    made = []
+
+    def my_tqdm(**kwargs):
+        from tqdm import tqdm
+
+        made.append(kwargs["total"])
+        return tqdm(**kwargs)
+
+    llm.generate(prompts, params, use_tqdm=my_tqdm)
+    assert made == [3]

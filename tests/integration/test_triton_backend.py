@@ -7,8 +7,8 @@ import torch
 from hf_reference import STORIES, hf_greedy
 
 from parkade import LLM, SamplingParams
-from parkade.services.engine.args import EngineArgs
-from parkade.services.engine.engine import Engine
+from parkade.engine.args import EngineArgs
+from parkade.engine.engine import Engine
 
 pytest.importorskip("triton")
 

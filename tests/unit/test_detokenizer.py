@@ -1,11 +1,8 @@
-from pathlib import Path
-
 import pytest
 from transformers import AutoTokenizer
 
+from parkade.models import DEFAULT_MODEL as STORIES
 from parkade.services.tokenizer.detokenizer import IncrementalDetokenizer
-
-STORIES = Path(__file__).resolve().parents[3] / "shared/models/stories260K/hf"
 
 
 @pytest.fixture(scope="module")

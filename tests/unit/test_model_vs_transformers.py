@@ -17,11 +17,11 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from parkade.kernels.metadata import AttentionMetadata
+from parkade.models import DEFAULT_MODEL as STORIES
+from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor.model import DecoderLM, load_model
-from parkade.services.executor.model_config import ModelConfig
 from parkade.services.executor.weights import checkpoint_files
 
-STORIES = Path("/work/shared/models/stories260K/hf")
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
 ATOL = 1e-4

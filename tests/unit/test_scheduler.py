@@ -2,7 +2,8 @@ import pytest
 from fakes import FakeExecutor
 
 from parkade.schemas import EngineRequest, FinishReason, SamplingParams, StepResult
-from parkade.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from parkade.services.scheduler.config import SchedulerConfig
+from parkade.services.scheduler.scheduler import Scheduler
 
 BS = 4
 
@@ -104,7 +105,7 @@ def test_preemption_recomputes_the_newest_request_and_it_resumes_from_cache():
 
 
 def test_priority_policy_admits_and_preempts_by_priority():
-    s = sched(num_blocks=4, policy="priority", max_num_batched_tokens=64)
+    s = sched(num_blocks=4, scheduling_policy="priority", max_num_batched_tokens=64)
     s.add(req("low", 8, max_tokens=20, priority=5, arrival=0.0))
     s.add(req("high", 8, max_tokens=20, priority=0, arrival=1.0, first=100))
     plan = s.schedule()
@@ -115,7 +116,7 @@ def test_priority_policy_admits_and_preempts_by_priority():
 
 
 def test_priority_preemption_of_an_already_scheduled_request_returns_its_budget():
-    s = sched(num_blocks=4, policy="priority", max_num_batched_tokens=64)
+    s = sched(num_blocks=4, scheduling_policy="priority", max_num_batched_tokens=64)
     s.add(req("low", 6, max_tokens=20, priority=5))
     plan = s.schedule()
     s.add(req("high", 8, max_tokens=20, priority=0, first=100))
@@ -234,7 +235,7 @@ def test_a_request_preempted_before_its_step_leaves_no_uncomputed_block_in_the_c
     Its blocks for this step were never computed, so none of them may serve a later prefix hit.
     (Found by review; the fake executor checks every KV slot a request reads.)"""
     s = sched(num_blocks=25, block_size=2, max_num_seqs=5, max_num_batched_tokens=28, max_model_len=48)
-    s = Scheduler(SchedulerConfig(**{**s.config.__dict__, "policy": "priority"}))
+    s = Scheduler(SchedulerConfig(**{**s.config.__dict__, "scheduling_policy": "priority"}))
     ex = FakeExecutor(vocab_size=1, block_size=2)  # every sampled token is 0: prefixes repeat
     shapes = [(1, 1, 0)] * 4 + [(11, 5, 1), (17, 3, 3), (1, 1, 0), (1, 1, 0), (1, 2, 0), (1, 4, 0)]
     pending = [

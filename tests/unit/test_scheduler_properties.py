@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parkade.schemas import EngineRequest, FinishReason, SamplingParams
-from parkade.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from parkade.services.scheduler.config import SchedulerConfig
+from parkade.services.scheduler.scheduler import Scheduler
 
 request_st = st.tuples(
     st.integers(1, 40),  # prompt length
@@ -25,7 +26,7 @@ workload_st = st.fixed_dictionaries(
         "extra_blocks": st.integers(0, 20),
         "budget": st.integers(1, 48),
         "max_num_seqs": st.integers(1, 6),
-        "policy": st.sampled_from(["fcfs", "priority"]),
+        "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
         "admission": st.sampled_from(["paged", "reserve"]),
         "caching": st.booleans(),
         "chunked_prefill": st.booleans(),
@@ -53,7 +54,7 @@ def test_random_workloads_keep_integrity_and_free_every_block(w):
             enable_chunked_prefill=w["chunked_prefill"],
             max_model_len=max_len,
             enable_prefix_caching=w["caching"],
-            policy=w["policy"],
+            scheduling_policy=w["scheduling_policy"],
             admission=w["admission"],
         )
     )

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from byte_model import make_byte_model
 from fakes import FakeExecutor
-from hf_reference import STORIES
 from transformers import AutoTokenizer
 
-from parkade.demo_model import ensure_demo_model
 from parkade.schemas import (
     AbortRequest,
     ChatMessage,
@@ -23,17 +22,24 @@ from parkade.schemas import (
     StepResult,
     topics,
 )
-from parkade.services.scheduler.service import SchedulerHandler, SchedulingOptions
-from parkade.services.tokenizer.service import TokenizerHandler
+from parkade.services.scheduler.config import SchedulingOptions
+from parkade.services.scheduler.handler import SchedulerHandler
+from parkade.services.tokenizer.frontend import FrontEnd, TokenizerOptions
+from parkade.services.tokenizer.handler import TokenizerHandler
 
 
 @pytest.fixture(scope="module")
-def stories_tokenizer():
-    return AutoTokenizer.from_pretrained(str(STORIES))
+def stories_frontend():
+    return FrontEnd.from_options(TokenizerOptions())  # the shipped stories260K
 
 
-def test_tokenizer_handler_is_idempotent_and_reports_errors(stories_tokenizer):
-    handler = TokenizerHandler(stories_tokenizer, (2,))
+@pytest.fixture(scope="module")
+def stories_tokenizer(stories_frontend):
+    return stories_frontend.tokenizer
+
+
+def test_tokenizer_handler_is_idempotent_and_reports_errors(stories_frontend, stories_tokenizer):
+    handler = TokenizerHandler(stories_frontend)
     request = GenerateRequest(
         request_id="r", prompt="Once upon", sampling_params=SamplingParams(max_tokens=3)
     )
@@ -64,9 +70,9 @@ def test_tokenizer_handler_is_idempotent_and_reports_errors(stories_tokenizer):
 
 
 def test_chat_messages_use_the_models_chat_template(tmp_path):
-    model = ensure_demo_model(tmp_path / "demo")
+    model = make_byte_model(tmp_path / "byte")
     tok = AutoTokenizer.from_pretrained(str(model))
-    handler = TokenizerHandler(tok, (2,))
+    handler = TokenizerHandler(FrontEnd.from_options(TokenizerOptions(model=model)))
     messages = (ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hello"))
     (out,) = handler.on_request(GenerateRequest(request_id="c", messages=messages))
     chat = [{"role": m.role, "content": m.content} for m in messages]
@@ -76,8 +82,10 @@ def test_chat_messages_use_the_models_chat_template(tmp_path):
     )
 
 
-def test_tokenizer_handler_stops_the_scheduler_when_a_stop_string_matches(stories_tokenizer):
-    handler = TokenizerHandler(stories_tokenizer, (2,))
+def test_tokenizer_handler_stops_the_scheduler_when_a_stop_string_matches(
+    stories_frontend, stories_tokenizer
+):
+    handler = TokenizerHandler(stories_frontend)
     params = SamplingParams(stop=["girl named"])
     handler.on_request(GenerateRequest(request_id="r", prompt="Once", sampling_params=params))
     ids = stories_tokenizer.encode("Once there was a little girl named Lily")[2:]
@@ -127,7 +135,7 @@ def drive(handler, executor, rounds=50, seen_plans=None):
 
 
 def test_scheduler_handler_waits_for_an_executor_and_keeps_two_steps_in_flight():
-    handler = SchedulerHandler(SchedulingOptions(max_in_flight=2))
+    handler = SchedulerHandler(SchedulingOptions(), max_in_flight=2)
     assert handler.on_tokenized(engine_request("a")) == [] and handler.next_plans() == []  # no executor yet
     handler.on_announcement(announce())
     plans = handler.next_plans()
@@ -224,7 +232,7 @@ class _CountingExecutor:
 
 
 def test_executor_handler_runs_each_plan_once_and_follows_a_new_scheduler():
-    from parkade.services.executor.service import ExecutorHandler
+    from parkade.services.executor.handler import ExecutorHandler
 
     fake = _CountingExecutor()
     handler = ExecutorHandler(fake, model="m", max_model_len=32, eos_token_ids=())
@@ -239,25 +247,22 @@ def test_executor_handler_runs_each_plan_once_and_follows_a_new_scheduler():
     assert fake.executed == [1, 1] and fake.requests == {}
 
 
-def test_tokens_of_a_request_the_tokenizer_never_saw_end_its_stream(stories_tokenizer):
-    handler = TokenizerHandler(stories_tokenizer, (2,))
+def test_tokens_of_a_request_the_tokenizer_never_saw_end_its_stream(stories_frontend):
+    handler = TokenizerHandler(stories_frontend)
     error, finish = handler.on_generated(GeneratedTokens(request_id="lost", index=3, token_ids=(5,)))
     assert error.message.finish_reason == "error" and "restarted" in error.message.error
     assert finish.message == FinishRequest(request_id="lost", reason=FinishReason.ABORT)
     assert handler.on_generated(GeneratedTokens(request_id="lost", index=4, token_ids=(6,))) == []
 
 
-def test_a_broken_chat_template_fails_only_its_request(stories_tokenizer):
+def test_a_broken_chat_template_fails_only_its_request():
     class Broken:
-        def __len__(self):
-            return 512
-
         def apply_chat_template(self, *args, **kwargs):
             from jinja2 import TemplateError
 
             raise TemplateError("only user and assistant roles")
 
-    handler = TokenizerHandler(Broken(), (2,))
+    handler = TokenizerHandler(FrontEnd(Broken(), vocab_size=512, eos_token_ids=(2,)))
     (out,) = handler.on_request(
         GenerateRequest(request_id="c", messages=(ChatMessage(role="x", content="hi"),))
     )
@@ -279,10 +284,10 @@ def test_an_executor_with_another_pool_ends_live_requests_with_an_error():
     )
 
 
-def test_a_restarted_scheduler_ends_the_open_streams(stories_tokenizer):
+def test_a_restarted_scheduler_ends_the_open_streams(stories_frontend):
     from parkade.schemas import SchedulerAnnouncement
 
-    handler = TokenizerHandler(stories_tokenizer, (2,))
+    handler = TokenizerHandler(stories_frontend)
     assert handler.on_generated(SchedulerAnnouncement(scheduler_id="s1")) == []  # the first one
     handler.on_request(GenerateRequest(request_id="r", prompt="Once"))
     assert handler.on_generated(SchedulerAnnouncement(scheduler_id="s1")) == []  # the same one again
@@ -291,3 +296,37 @@ def test_a_restarted_scheduler_ends_the_open_streams(stories_tokenizer):
     assert "scheduler restarted" in out.message.error and not handler.streams
     scheduler = SchedulerHandler(SchedulingOptions())
     assert scheduler.announcement().message == SchedulerAnnouncement(scheduler_id=scheduler.scheduler_id)
+
+
+def test_the_service_path_stamps_each_request_with_its_arrival(stories_frontend):
+    """The tokenizer service sets arrival_time as the in-process engine does: the priority
+    policy breaks ties by it, so a lost arrival_time would order requests by their random ids."""
+    import time
+
+    handler = TokenizerHandler(stories_frontend)
+    before = time.time()
+    sent = [handler.on_request(GenerateRequest(request_id=rid, prompt="Once"))[0].message for rid in "cba"]
+    times = [request.arrival_time for request in sent]
+    assert before <= times[0] < times[1] < times[2] <= time.time()
+
+
+def test_options_that_cannot_work_on_the_announced_pool_answer_every_request_with_why():
+    """One rule in both paths (SchedulerConfig.build): an explicit token budget below
+    max_model_len with chunked prefill off is an error, never silently raised."""
+    options = SchedulingOptions(enable_chunked_prefill=False, max_num_batched_tokens=32)
+    handler = SchedulerHandler(options)
+    handler.on_tokenized(engine_request("early"))  # waits for an executor
+    (refused,) = handler.on_announcement(announce())  # max_model_len=64 > 32
+    assert refused.message.request_id == "early" and refused.message.finish_reason == "error"
+    assert "max_num_batched_tokens (32) must be >= max_model_len (64)" in refused.message.error
+    (late,) = handler.on_tokenized(engine_request("late"))
+    assert late.message.finish_reason == "error" and handler.next_plans() == []
+    fitting = msgspec.structs.replace(announce("e2"), max_model_len=32)
+    assert handler.on_announcement(fitting) == [] and handler.config_error is None
+    handler.on_tokenized(engine_request("ok"))
+    out = drive(handler, FakeExecutor(vocab_size=50, seed=6, block_size=4))
+    assert out["ok"][-1].finish_reason is not None
+    # Unset, the budget follows max_model_len when chunked prefill is off.
+    default = SchedulerHandler(SchedulingOptions(enable_chunked_prefill=False))
+    default.on_announcement(msgspec.structs.replace(announce(), max_model_len=9000, num_blocks=600))
+    assert default.scheduler.config.max_num_batched_tokens == 9000

@@ -1,4 +1,8 @@
-"""`ModelConfig`: what the executor needs from a Hugging Face model folder, read without transformers.
+"""`ModelConfig`: what Parkade needs from a Hugging Face model folder, read without transformers.
+
+The executor builds its decoder and KV pool from it; the front end takes the vocabulary size and
+the EOS token ids that it checks and stamps on every request. Importing this module does not
+import torch (the command line and the scheduler stay light); resolving a dtype does.
 
 Supports the Llama, Mistral and Qwen2 families. Both config layouts are read: transformers 5 keeps
 RoPE settings in `rope_parameters`; older files have `rope_theta` plus `rope_scaling`. RoPE inverse
@@ -12,21 +16,23 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig"]
+__all__ = ["DTYPE_NAMES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # vLLM's names, aliases included.
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
+DTYPE_NAMES = ("auto", *_DTYPES)  # what `dtype` accepts as a string
 _DEFAULT_ROPE_THETA = 10_000.0  # transformers' `default_theta`
 
 
@@ -43,6 +49,8 @@ class RopeConfig:
 
     def inv_freq(self, head_dim: int) -> torch.Tensor:
         """[head_dim // 2] fp32 inverse frequencies, computed as transformers does (on the CPU)."""
+        import torch
+
         # Explicit CPU device: this also runs while the model is being built under `torch.device("meta")`.
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         inv_freq = 1.0 / (self.theta**exponents)
@@ -53,6 +61,8 @@ class RopeConfig:
         return inv_freq
 
     def _llama3(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        import torch
+
         # Long wavelengths (low frequencies) are divided by `factor`, short ones kept, and the band
         # between the two cut-offs interpolated smoothly.
         old_len = self.original_max_position_embeddings
@@ -216,10 +226,12 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
 
 
 def _resolve_dtype(dtype: str | torch.dtype, cfg: dict[str, Any]) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])

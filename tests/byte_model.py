@@ -1,10 +1,12 @@
-"""A small random Llama model that `parkade up` serves when no `--model` is given.
+"""A tiny random Llama with a byte-level tokenizer and a chat template, for the tests that need a
+model unlike stories260K: another tokenizer family (GPT-2's byte-level BPE rather than
+SentencePiece with byte fallback), other shapes, and a chat template (stories260K has none).
 
-    path = ensure_demo_model()  # $PARKADE_HOME/demo-model, created once, then reused
+    path = make_byte_model(tmp_path / "byte")
 
-It is a Hugging Face folder like any other (config.json, model.safetensors, tokenizer files,
-generation_config.json), made locally from a fixed seed, so the same bytes come out on every
-machine and nothing is downloaded. Its weights are random: its text is meaningless.
+A Hugging Face folder like any other (config.json, model.safetensors, tokenizer files,
+generation_config.json), made from a fixed seed, so the same bytes come out on every machine.
+Its weights are random: its text is meaningless.
 
 Vocabulary: `<unk>` = 0, `<s>` = 1 (BOS, added by the tokenizer), `</s>` = 2 (EOS), then the 256
 byte tokens, byte b at id 3 + b (GPT-2's byte-level alphabet, no merges).
@@ -12,14 +14,8 @@ byte tokens, byte b at id 3 + b (GPT-2's byte-level alphabet, no merges).
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-# Written last into the folder; its presence (with this content) means the model is complete.
-MARKER = ".parkade-demo-model"
-_MARKER_TEXT = "parkade demo model v1\n"
 SEED = 0
 BOS_TOKEN_ID, EOS_TOKEN_ID = 1, 2
 NUM_SPECIAL = 3
@@ -30,57 +26,13 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-_README = """\
-# Parkade demo model
 
-A tiny random Llama model (2 layers, hidden size 64, a byte-level vocabulary of 259 tokens) that
-`parkade up` creates and serves when it is given no `--model`. Its weights are random numbers
-drawn from a fixed seed: **its text is meaningless**. It exists to show the pipeline working
-without downloading anything; pass `--model DIR` (a Hugging Face folder of a Llama, Mistral or
-Qwen2 model) to serve a real model.
-"""
-
-
-def parkade_home() -> Path:
-    """Parkade's folder for created models and runtime state: $PARKADE_HOME, else ~/.cache/parkade."""
-    return Path(os.environ.get("PARKADE_HOME") or "~/.cache/parkade").expanduser()
-
-
-def is_demo_model(directory: Path) -> bool:
-    marker = directory / MARKER
-    return marker.is_file() and marker.read_text() == _MARKER_TEXT
-
-
-def ensure_demo_model(directory: Path | None = None) -> Path:
-    """Create the demo model in `directory` (default `$PARKADE_HOME/demo-model`) unless it is
-    there already; -> the folder.
-
-    The model is built in a temporary folder beside `directory` and renamed into place, so a
-    process never sees half a model, and two processes creating it at once both end with the same
-    complete folder. Raises FileExistsError when `directory` exists but is not a demo model.
-    """
-    directory = Path(directory) if directory is not None else parkade_home() / "demo-model"
-    if is_demo_model(directory):
-        return directory
-    if directory.exists() and any(directory.iterdir()):
-        raise FileExistsError(
-            f"{directory} exists and is not a Parkade demo model; remove it or pick another"
-        )
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
-    try:
-        _write_model(tmp)
-        (tmp / MARKER).write_text(_MARKER_TEXT)
-        tmp.chmod(0o755)  # mkdtemp's 0o700 is for the build only
-        try:
-            # Atomic; replaces `directory` only when it is missing or empty.
-            os.rename(tmp, directory)
-        except OSError:
-            if not is_demo_model(directory):  # not a concurrent creator that won the race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return directory
+def make_byte_model(directory: str | Path) -> Path:
+    """Write the model into `directory` (created); -> the folder."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_model(out)
+    return out
 
 
 def _write_model(out: Path) -> None:
@@ -112,7 +64,6 @@ def _write_model(out: Path) -> None:
     save_file(model.state_dict(), str(out / "model.safetensors"), metadata={"format": "pt"})
     GenerationConfig(bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID).save_pretrained(out)
     _byte_tokenizer().save_pretrained(out)
-    (out / "README.md").write_text(_README)
 
 
 def _redraw_weights(model, generator) -> None:

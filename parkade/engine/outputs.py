@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from parkade.schemas import FinishReason
+
 
 @dataclass
 class Logprob:
@@ -23,7 +25,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None  # a str: "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
 
     def finished(self) -> bool:

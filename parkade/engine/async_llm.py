@@ -1,6 +1,6 @@
 """`AsyncLLM`: the streaming engine API that the services wrap.
 
-    engine = AsyncLLM(model=DIR)
+    engine = AsyncLLM()  # the shipped stories260K; or AsyncLLM(model=DIR, ...)
     async for output in engine.generate("Once upon a time", params, request_id="r1"):
         print(output.outputs[0].text)   # cumulative, as vLLM's default output kind
 
@@ -19,18 +19,23 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from parkade.engine.args import EngineArgs
+from parkade.engine.core import EngineDeadError
+from parkade.engine.engine import Engine, PromptType
+from parkade.engine.outputs import RequestOutput
+from parkade.models import DEFAULT_MODEL
 from parkade.schemas import SamplingParams
-from parkade.services.engine.args import EngineArgs
-from parkade.services.engine.core import EngineDeadError
-from parkade.services.engine.engine import Engine, PromptType
-from parkade.services.engine.outputs import RequestOutput
 
 
 class AsyncLLM:
-    def __init__(self, model: str | Path, *, skip_tokenizer_init: bool = False, **kwargs: Any) -> None:
-        self.engine = Engine(EngineArgs(model=model, **kwargs), skip_tokenizer_init=skip_tokenizer_init)
+    def __init__(
+        self, model: str | Path = DEFAULT_MODEL, *, skip_tokenizer_init: bool = False, **kwargs: Any
+    ) -> None:
+        self.engine = Engine(
+            EngineArgs.from_kwargs(model=model, **kwargs), skip_tokenizer_init=skip_tokenizer_init
+        )
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._pending: list[tuple[str, Any]] = []  # ("add", (request, text)) | ("abort", request_id)
+        self._pending: list[tuple[str, Any]] = []  # ("add", (request, stream)) | ("abort", request_id)
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._dead: EngineDeadError | None = None  # set once: a failed step, or shutdown
@@ -53,10 +58,12 @@ class AsyncLLM:
             raise self._dead
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request, text = self.engine.prepare(request_id, prompt, sampling_params or SamplingParams(), priority)
+        request, stream = self.engine.prepare(
+            request_id, prompt, sampling_params or SamplingParams(), priority
+        )
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._submit(("add", (request, text)))
+        self._submit(("add", (request, stream)))
         finished = False
         try:
             while not finished:
@@ -88,9 +95,9 @@ class AsyncLLM:
         pending, self._pending = self._pending, []
         for kind, arg in pending:
             if kind == "add":
-                request, text = arg
+                request, stream = arg
                 try:
-                    self.engine.add_prepared(request, text)
+                    self.engine.add_prepared(request, stream)
                 except ValueError as error:  # this request's fault: fail its stream only
                     queue = self._queues.pop(request.request_id, None)
                     if queue is not None:

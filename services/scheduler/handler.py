@@ -6,6 +6,10 @@
                         StepResult                     -> GeneratedTokens (generated topic)
     after every poll    up to `max_in_flight` StepPlans (step-plans topic)
 
+The scheduler's configuration is `SchedulerConfig.build(options, the announced geometry)`, as in
+one process; options that cannot work on the announced pool (an explicit token budget below its
+max_model_len with chunked prefill off) answer every request with an error event naming why.
+
 NOTE: more than one step is in flight so that Kafka's latency overlaps the executor's compute:
 the executor keeps the tokens it samples, so the next decode can be planned before the previous
 result has travelled back (the scheduler counts them as output placeholders).
@@ -15,7 +19,6 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import msgspec
 
@@ -31,32 +34,27 @@ from parkade.schemas import (
     topics,
 )
 from parkade.services.bus.base import Headers, Outgoing
-from parkade.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from parkade.services.common.recent import RecentIds
+from parkade.services.scheduler.config import KVGeometry, SchedulerConfig, SchedulingOptions
+from parkade.services.scheduler.scheduler import Scheduler
 
-_REMEMBER_FINISHED = 100_000  # finished request ids kept to drop redelivered duplicates
-
-
-@dataclass(frozen=True, kw_only=True)
-class SchedulingOptions:
-    """The scheduler's own settings; the KV geometry comes from the executor's announcement."""
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"
-    admission: str = "paged"
-    max_in_flight: int = 2
+# Step plans out at once: the next decode is planned before the previous result is back.
+DEFAULT_MAX_IN_FLIGHT = 2
 
 
 class SchedulerHandler:
-    def __init__(self, options: SchedulingOptions) -> None:
+    def __init__(self, options: SchedulingOptions, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.options = options
+        self.max_in_flight = max_in_flight
         self.scheduler_id = uuid.uuid4().hex
         self.scheduler: Scheduler | None = None
+        # Why the options cannot work with the current executor's KV geometry (None: they can).
+        self.config_error: str | None = None
         self.executor_id: str | None = None
         self.retired_executors: set[str] = set()  # their late heartbeats must not switch back
-        self.finished: OrderedDict[str, None] = OrderedDict()  # to drop redelivered requests
+        self.finished = RecentIds()  # to drop redelivered requests
         self.pending: dict[str, EngineRequest] = {}  # before an executor has announced itself
         self.in_flight: OrderedDict[int, StepPlan] = OrderedDict()
         self.headers: dict[str, Headers] = {}  # per request: trace context to pass on
@@ -76,36 +74,27 @@ class SchedulerHandler:
         if self.executor_id is not None:
             self.retired_executors.add(self.executor_id)
         self.executor_id = announcement.executor_id
-        geometry = (announcement.num_blocks, announcement.block_size, announcement.max_model_len)
+        geometry = KVGeometry(announcement.num_blocks, announcement.block_size, announcement.max_model_len)
         out: list[Outgoing] = []
         if self.scheduler is not None:
             self.in_flight.clear()
-            config = self.scheduler.config
-            if (config.num_blocks, config.block_size, config.max_model_len) == geometry:
+            if self.scheduler.config.geometry == geometry:
                 self.scheduler.reset_executor()  # same pool shape: recompute everything there
                 return []
             # A different pool: block ids and limits of the old one mean nothing there. End the
             # live requests with an error rather than run them on a page table that does not fit.
             for request_id in list(self.scheduler.requests):
                 out.append(self._refused(request_id, "the executor was replaced by one with another KV pool"))
-        o = self.options
-        # Without chunked prefill a whole (resumed) request must fit one step's budget.
-        budget = o.max_num_batched_tokens
-        if not o.enable_chunked_prefill:
-            budget = max(budget, announcement.max_model_len)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=announcement.num_blocks,
-                block_size=announcement.block_size,
-                max_model_len=announcement.max_model_len,
-                max_num_seqs=o.max_num_seqs,
-                max_num_batched_tokens=budget,
-                enable_prefix_caching=o.enable_prefix_caching,
-                enable_chunked_prefill=o.enable_chunked_prefill,
-                policy=o.policy,
-                admission=o.admission,
+            self.scheduler = None
+        try:
+            self.scheduler = Scheduler(SchedulerConfig.build(self.options, geometry))
+            self.config_error = None
+        except ValueError as error:
+            # Options that cannot work on this executor answer every request with the reason,
+            # until an executor they fit announces itself.
+            self.config_error = (
+                f"the scheduler's options do not fit executor {announcement.executor_id}: {error}"
             )
-        )
         for request in self.pending.values():
             out += self._add(request)
         self.pending.clear()
@@ -132,13 +121,14 @@ class SchedulerHandler:
         if request_id in self.finished:
             return []  # a redelivered request that already ran
         self.headers.setdefault(request_id, headers)
-        if self.scheduler is None:
+        if self.executor_id is None:
             self.pending.setdefault(request_id, message)
             return []
         return self._add(message)
 
     def _add(self, request: EngineRequest) -> list[Outgoing]:
-        assert self.scheduler is not None
+        if self.scheduler is None:
+            return [self._refused(request.request_id, self.config_error or "no scheduler")]
         if request.request_id in self.scheduler.requests:
             return []  # a redelivered request
         try:
@@ -172,7 +162,7 @@ class SchedulerHandler:
         out: list[Outgoing] = []
         if self.scheduler is None or self.executor_id is None:
             return out
-        while len(self.in_flight) < self.options.max_in_flight:
+        while len(self.in_flight) < self.max_in_flight:
             plan = self.scheduler.schedule()
             if not (plan.num_scheduled_tokens or plan.finished_request_ids or plan.preempted_request_ids):
                 break
@@ -187,7 +177,5 @@ class SchedulerHandler:
         headers = self.headers.get(event.request_id, ())
         if event.finish_reason is not None:
             self.headers.pop(event.request_id, None)
-            self.finished[event.request_id] = None
-            if len(self.finished) > _REMEMBER_FINISHED:
-                self.finished.popitem(last=False)
+            self.finished.add(event.request_id)
         return Outgoing(topics.GENERATED, event, event.request_id, headers)

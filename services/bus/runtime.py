@@ -1,0 +1,141 @@
+"""Starting and stopping a service process: what the three services' `main.py` share.
+
+    parser = service_parser("scheduler", __doc__)   # --bootstrap-servers, --topic-prefix, ...
+    return run_service("scheduler", args, build_handler, serve)
+
+`run_service` checks the settings and builds the handler (a bad setting or model folder: one line,
+exit 2), waits for the broker (unreachable: one line, exit 1), creates the topics, runs `serve`
+until SIGINT or SIGTERM, and prints `READY <service>` once the service consumes its topics (the
+line `parkade up` waits for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+from parkade.schemas import topics
+from parkade.schemas.topics import DEFAULT_PREFIX
+from parkade.services.bus.base import Bus
+
+H = TypeVar("H")
+BROKER_WAIT_S = 10.0
+
+
+class Serve(Protocol[H]):
+    def __call__(
+        self, bus: Bus, handler: H, *, prefix: str, stop: asyncio.Event, ready: Callable[[], None]
+    ) -> Awaitable[None]: ...
+
+
+def service_parser(name: str, description: str | None) -> argparse.ArgumentParser:
+    """A service's argument parser with the bus arguments every service takes."""
+    parser = argparse.ArgumentParser(prog=f"parkade {name}", description=description)
+    parser.add_argument(
+        "--bootstrap-servers",
+        default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"),
+        help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)",
+    )
+    parser.add_argument("--topic-prefix", default=DEFAULT_PREFIX, help=f"(default: {DEFAULT_PREFIX})")
+    parser.add_argument(
+        "--broker-wait",
+        type=float,
+        default=BROKER_WAIT_S,
+        help=f"seconds to wait for the broker to answer at start (default: {BROKER_WAIT_S:g})",
+    )
+    return parser
+
+
+def run_service(
+    name: str,
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    build_handler: Callable[[], H],
+    serve: Serve[H],
+) -> int:
+    """Build the handler, connect, serve until a signal; -> the process's exit code."""
+    if not args.bootstrap_servers:
+        parser.error("no broker: pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS")
+    _exit_on_sigterm()
+    try:
+        handler = build_handler()
+    except ValueError as error:  # settings or a model folder that cannot work: say so, no traceback
+        print(f"parkade {name}: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading: a normal stop
+        return 0
+
+    async def serve_forever(stop: asyncio.Event) -> None:
+        await on_kafka(
+            args.bootstrap_servers,
+            args.topic_prefix,
+            f"parkade-{name}",
+            lambda bus: serve(bus, handler, prefix=args.topic_prefix, stop=stop, ready=_announce_ready(name)),
+            wait_s=args.broker_wait,
+        )
+
+    from aiokafka.errors import KafkaConnectionError
+
+    try:
+        return _run_until_signalled(serve_forever)
+    except (KafkaConnectionError, OSError) as error:
+        print(
+            f"parkade {name}: cannot reach the broker at {args.bootstrap_servers}: {error}", file=sys.stderr
+        )
+        return 1
+
+
+async def on_kafka(
+    bootstrap_servers: str,
+    prefix: str,
+    client_id: str,
+    serve: Callable[[Any], Awaitable[None]],
+    *,
+    wait_s: float = BROKER_WAIT_S,
+) -> None:
+    """Wait for the broker, create any missing topic, run `serve(bus)`, close the bus."""
+    from parkade.services.bus.kafka import KafkaBus, wait_for_broker
+
+    await wait_for_broker(bootstrap_servers, timeout_s=wait_s)
+    bus = KafkaBus(bootstrap_servers, client_id=client_id)
+    try:
+        await bus.create_topics(topics.all_topic_names(prefix))
+        await serve(bus)
+    finally:
+        await bus.close()
+
+
+def _announce_ready(service: str) -> Callable[[], None]:
+    """The line `parkade up` waits for: printed once the service consumes its topics."""
+
+    def ready() -> None:
+        print(f"READY {service}", flush=True)
+
+    return ready
+
+
+def _exit_on_sigterm() -> None:
+    """Until the event loop takes over: SIGTERM during start-up (loading a model) exits 0."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+
+def _run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> int:
+    """Run `serve(stop)`; SIGINT or SIGTERM sets `stop`, and the service finishes its batch."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(stop)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
+    sys.stdout.flush()
+    return 0

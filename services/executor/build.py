@@ -1,0 +1,73 @@
+"""Building an `Executor` from its options: one path for the executor service and the
+in-process engine.
+
+The executor owns the KV pool, so its settings fix the geometry the scheduler works in: the
+number of blocks (from the memory budget), `block_size` and the effective `max_model_len`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from parkade.services.common.model_config import ModelConfig
+from parkade.services.common.model_files import check_model_folder
+from parkade.services.executor.executor import Executor
+from parkade.services.executor.kv_pool import bytes_per_block
+from parkade.services.executor.options import CPU_KV_BYTES, DEFAULT_MAX_NUM_SEQS, ExecutorOptions
+
+
+def resolve_device(options: ExecutorOptions) -> torch.device:
+    if options.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(options.device)
+
+
+def build_executor(
+    options: ExecutorOptions,
+    *,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    before_load: Callable[[int], None] | None = None,
+) -> tuple[ModelConfig, Executor, int]:
+    """Load the model and allocate the KV pool -> (config, executor, effective max_model_len).
+
+    `before_load(max_model_len)` runs once the config is read and before the weights load, so
+    that settings which cannot work fail fast. Raises ValueError (ModelFolderError for a folder
+    that lacks a file) for settings the model or the pool cannot meet.
+    """
+    check_model_folder(options.model, tokenizer=False)
+    device = resolve_device(options)
+    model_config = ModelConfig.from_pretrained(options.model, options.dtype)
+    max_model_len = options.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+            f"{model_config.max_position_embeddings}"
+        )
+    if before_load is not None:
+        before_load(max_model_len)
+    kv_bytes = options.kv_cache_memory_bytes
+    if kv_bytes is None and device.type == "cpu":
+        # Enough for every sequence at full length, capped; tiny models get a small pool.
+        wanted_blocks = max_num_seqs * (max_model_len // options.block_size + 1)
+        block_bytes = bytes_per_block(model_config, options.block_size, model_config.dtype)
+        kv_bytes = min(CPU_KV_BYTES, wanted_blocks * block_bytes)
+    executor = Executor(
+        model_config,
+        block_size=options.block_size,
+        kv_cache_memory_bytes=kv_bytes,
+        device=device,
+        attention_backend=options.attention_backend,
+        seed=options.seed,
+    )
+    pool_tokens = executor.num_blocks * options.block_size
+    if max_model_len > pool_tokens:
+        if options.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len={max_model_len} is more than the KV pool holds ({executor.num_blocks} blocks "
+                f"of {options.block_size} = {pool_tokens} tokens): raise kv_cache_memory_bytes or lower "
+                "max_model_len"
+            )
+        max_model_len = pool_tokens
+    return model_config, executor, max_model_len

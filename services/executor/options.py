@@ -1,0 +1,69 @@
+"""`ExecutorOptions`: every executor setting a user chooses. Torch-free, so that the command
+line (`parkade up`, which passes them on) imports no torch; `build.py` turns them into an
+`Executor`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parkade.kernels.backends import AttentionBackend
+from parkade.models import DEFAULT_MODEL
+from parkade.services.common.model_config import DTYPE_NAMES
+from parkade.services.common.model_files import MODEL_METADATA
+
+DType = Any  # a torch.dtype (not named, to keep torch out of this module)
+
+# NOTE: on a CPU the default KV budget is capped, since RAM is shared with everything else on the
+# machine; on CUDA the executor takes a share of the memory the weights left free.
+CPU_KV_BYTES = 512 * 2**20
+DEVICES = ("auto", "cpu", "cuda")
+# The executor's guess at concurrency when it sizes a CPU pool by itself (the scheduler's default).
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutorOptions:
+    """Every executor setting a user chooses; names as vLLM's engine arguments."""
+
+    model: str | Path = field(default=DEFAULT_MODEL, metadata=MODEL_METADATA)
+    dtype: str | DType = field(
+        default="auto",
+        metadata={"help": "weights and KV cache dtype; auto: the model's", "choices": DTYPE_NAMES},
+    )
+    device: str = field(
+        default="auto", metadata={"help": "auto: cuda when available, else cpu", "choices": DEVICES}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "bytes of the KV block pool; unset: 85% of the free memory on CUDA, on a CPU enough for "
+            f"max_num_seqs full-length requests, at most {CPU_KV_BYTES // 2**20} MiB"
+        },
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata={"help": "longest request, prompt + output; unset: the model's, or what the pool holds"},
+    )
+    attention_backend: AttentionBackend = field(
+        default=AttentionBackend.AUTO,
+        metadata={"help": "auto: Triton on CUDA, torch on a CPU; triton on a CPU runs interpreted"},
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the sampling of requests without their own seed"})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attention_backend", AttentionBackend.parse(self.attention_backend))
+        object.__setattr__(self, "device", "auto" if self.device is None else str(self.device))
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {', '.join(DEVICES)} or cuda:N; got {self.device!r}")
+        if isinstance(self.dtype, str) and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        for name in ("kv_cache_memory_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or unset, got {value}")

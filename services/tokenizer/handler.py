@@ -1,0 +1,134 @@
+"""`TokenizerHandler`: the tokenizer service's logic, without I/O; the front end (`frontend.py`)
+does the work, this maps it to and from the topics.
+
+    requests topic   GenerateRequest -> EngineRequest (tokenized topic)
+                     AbortRequest    -> FinishRequest(abort) (tokenized topic)
+    generated topic  GeneratedTokens -> TokenEvent (tokens topic): text deltas, stop strings;
+                     a matched stop string also sends FinishRequest(stop) to the scheduler
+                     SchedulerAnnouncement of a new scheduler -> error events for open streams
+
+Idempotent under redelivery: a request id is tokenized once, and token messages whose index is
+behind the stream's are dropped. A request that cannot be served gets one TokenEvent with
+finish_reason "error".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parkade.schemas import (
+    AbortRequest,
+    FinishReason,
+    FinishRequest,
+    GeneratedTokens,
+    GenerateRequest,
+    SchedulerAnnouncement,
+    TokenEvent,
+    topics,
+)
+from parkade.services.bus.base import Headers, Outgoing
+from parkade.services.common.recent import RecentIds
+from parkade.services.tokenizer.frontend import FrontEnd, RequestStream, StreamUpdate
+
+
+@dataclass
+class _Open:
+    stream: RequestStream
+    headers: Headers  # the request's trace context, passed on with every record about it
+
+
+def error_event(request_id: str, message: str, headers: Headers = (), index: int = 0) -> Outgoing:
+    event = TokenEvent(request_id=request_id, index=index, finish_reason=FinishReason.ERROR, error=message)
+    return Outgoing(topics.TOKENS, event, request_id, headers)
+
+
+def token_event(request_id: str, update: StreamUpdate) -> TokenEvent:
+    return TokenEvent(
+        request_id=request_id,
+        index=update.index,
+        token_ids=update.token_ids,
+        text=update.text_delta,
+        logprobs=update.logprobs,
+        finish_reason=update.finish_reason,
+        stop_reason=update.stop_reason,
+        usage=update.usage,
+        error=update.error,
+    )
+
+
+class TokenizerHandler:
+    def __init__(self, frontend: FrontEnd) -> None:
+        self.frontend = frontend
+        self.streams: dict[str, _Open] = {}
+        self.finished = RecentIds()  # to drop redelivered requests and late messages
+        self.scheduler_id: str | None = None
+
+    def on_request(self, message: GenerateRequest | AbortRequest, headers: Headers = ()) -> list[Outgoing]:
+        request_id = message.request_id
+        if isinstance(message, AbortRequest):
+            if request_id not in self.streams:
+                return []  # unknown or finished: aborting is idempotent
+            finish = FinishRequest(request_id=request_id, reason=FinishReason.ABORT)
+            return [Outgoing(topics.TOKENIZED, finish, request_id, headers)]
+        if request_id in self.streams or request_id in self.finished:
+            return []  # a redelivered request
+        try:
+            request, stream = self.frontend.make_request_from(message)
+        except Exception as error:  # a bad prompt or chat template fails this request only
+            self.finished.add(request_id)
+            return [error_event(request_id, str(error), headers)]
+        self.streams[request_id] = _Open(stream, headers)
+        return [Outgoing(topics.TOKENIZED, request, request_id, headers)]
+
+    def on_generated(self, message: GeneratedTokens | SchedulerAnnouncement) -> list[Outgoing]:
+        if isinstance(message, SchedulerAnnouncement):
+            return self.on_scheduler_announcement(message)
+        return self.on_tokens(message)
+
+    def on_scheduler_announcement(self, message: SchedulerAnnouncement) -> list[Outgoing]:
+        """A new scheduler knows none of the running requests: end their streams."""
+        previous, self.scheduler_id = self.scheduler_id, message.scheduler_id
+        if previous is None or previous == message.scheduler_id:
+            return []
+        out = []
+        for request_id, open_ in list(self.streams.items()):
+            self._close(request_id)
+            out.append(
+                error_event(
+                    request_id,
+                    "the scheduler restarted and lost this request",
+                    open_.headers,
+                    open_.stream.next_index,
+                )
+            )
+        return out
+
+    def on_tokens(self, message: GeneratedTokens) -> list[Outgoing]:
+        request_id = message.request_id
+        open_ = self.streams.get(request_id)
+        if open_ is None:
+            if request_id in self.finished or message.finish_reason is not None:
+                return []  # finished already
+            # Tokens of a request this tokenizer never saw (it restarted): the text cannot be
+            # rebuilt, so end the client's stream with an error and stop the scheduler.
+            self.finished.add(request_id)
+            reason = "the tokenizer lost this request's state (restarted)"
+            finish = FinishRequest(request_id=request_id, reason=FinishReason.ABORT)
+            return [error_event(request_id, reason), Outgoing(topics.TOKENIZED, finish, request_id)]
+        update = open_.stream.update(message)
+        if update is None:
+            return []  # a redelivered message
+        out: list[Outgoing] = []
+        if update.stop_scheduler:
+            finish = FinishRequest(
+                request_id=request_id, reason=FinishReason.STOP, stop_reason=str(update.stop_reason)
+            )
+            out.append(Outgoing(topics.TOKENIZED, finish, request_id, open_.headers))
+        if update.finish_reason is not None:
+            self._close(request_id)
+        out.append(Outgoing(topics.TOKENS, token_event(request_id, update), request_id, open_.headers))
+        return out
+
+    def _close(self, request_id: str) -> None:
+        del self.streams[request_id]
+        self.finished.add(request_id)

@@ -1,0 +1,158 @@
+"""The command line as a new user meets it: the same generation flags and defaults for `offline`
+and `generate`, defaults and choices in every --help, and one clear line (no traceback) for a bad
+setting, a model folder that lacks a file, a port in use, or a broker that is not there."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from parkade import DEFAULT_MODEL
+from parkade.cli import GENERATION_FLAGS, build_parser, main
+from parkade.client import Client, NoBrokerError, find_broker
+from parkade.home import write_state
+from parkade.services.common.flags import flag_values
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch, tmp_path):
+    """No broker in the environment and no running `parkade up` to find."""
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
+    monkeypatch.setenv("PARKADE_HOME", str(tmp_path / "home"))
+
+
+def test_offline_and_generate_take_the_same_generation_flags_and_defaults():
+    parser = build_parser()
+    offline = flag_values(GENERATION_FLAGS, parser.parse_args(["offline", "hi"]))
+    generate = flag_values(GENERATION_FLAGS, parser.parse_args(["generate", "hi"]))
+    assert offline == generate
+    assert offline["temperature"] == 1.0 and offline["max_tokens"] == 64
+    argv = ["--top-p", "0.5", "--top-k", "3", "--seed", "7", "--stop", "x", "--stop", "y", "--ignore-eos"]
+    for command in ("offline", "generate"):
+        values = flag_values(GENERATION_FLAGS, parser.parse_args([command, "hi", *argv]))
+        assert (values["top_p"], values["top_k"], values["seed"]) == (0.5, 3, 7)
+        assert values["stop"] == ("x", "y") and values["ignore_eos"] is True
+
+
+def _help(*argv: str) -> str:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv, "--help"])
+    return ""
+
+
+@pytest.mark.parametrize("command", ["offline", "generate", "up"])
+def test_every_help_shows_defaults_and_choices(command, capsys):
+    _help(command)
+    text = " ".join(capsys.readouterr().out.split())
+    if command != "up":
+        assert "0: greedy (default: 1.0)" in text and "most tokens to generate (default: 64)" in text
+    if command != "generate":
+        assert "{auto,float32,float,bfloat16,float16,half}" in text
+        assert "--device {auto,cpu,cuda}" in text and "--attention-backend {auto,triton,torch}" in text
+        assert (
+            "--scheduling-policy {fcfs,priority}" in text
+            and "(default: stories260K, shipped with Parkade)" in text
+        )
+
+
+@pytest.mark.parametrize("command", ["offline", "generate"])
+def test_a_bad_generation_flag_is_one_line(command, capsys):
+    assert main([command, "hi", "--temperature", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"parkade {command}: temperature must be >= 0, got -1.0\n"
+
+
+def _folder_without_tokenizer(tmp_path):
+    folder = tmp_path / "no-tokenizer"
+    shutil.copytree(DEFAULT_MODEL, folder)
+    (folder / "tokenizer.json").unlink()
+    return folder
+
+
+@pytest.mark.parametrize("command", ["offline", "up"])
+def test_a_model_folder_that_lacks_a_file_is_named_in_one_line(command, tmp_path, capsys):
+    prompt = ["hi"] if command == "offline" else []
+    folder = _folder_without_tokenizer(tmp_path)
+    assert main([command, *prompt, "--model", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"parkade {command}: ") and "no tokenizer.json" in err and err.count("\n") == 1
+    assert main([command, *prompt, "--model", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "no model folder at" in err and "no model hub" in err
+    assert main([command, *prompt, "--model", str(folder), "--tokenizer", str(tmp_path / "missing")]) == 2
+    assert f"no model folder at {tmp_path / 'missing'}" in capsys.readouterr().err
+    (folder / "model.safetensors").unlink()
+    assert main([command, *prompt, "--model", str(folder), "--tokenizer", str(DEFAULT_MODEL)]) == 2
+    assert "has no safetensors weights" in capsys.readouterr().err
+    (folder / "config.json").unlink()
+    assert main([command, *prompt, "--model", str(folder), "--tokenizer", str(DEFAULT_MODEL)]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+
+
+def test_up_refuses_a_port_in_use_before_starting_anything(capsys, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["up", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"port {port} on 127.0.0.1 is in use" in err
+    assert not (tmp_path / "home" / "logs").exists()  # nothing was started
+
+
+def test_up_refuses_settings_that_cannot_work(capsys):
+    assert main(["up", "--max-num-seqs", "0"]) == 2
+    assert capsys.readouterr().err == "parkade up: max_num_seqs must be >= 1, got 0\n"
+
+
+def test_generate_without_a_broker_says_how_to_get_one(capsys):
+    assert main(["generate", "hi"]) == 2
+    assert "no broker: start one with `parkade up`" in capsys.readouterr().err
+
+
+def test_client_finds_the_broker_as_parkade_generate_does(monkeypatch):
+    with pytest.raises(NoBrokerError):
+        Client()
+    import os
+
+    write_state({"pid": os.getpid(), "bootstrap_servers": "127.0.0.1:1234", "topic_prefix": "p."})
+    client = Client()
+    assert (client.bootstrap_servers, client.prefix) == ("127.0.0.1:1234", "p.")
+    assert find_broker(topic_prefix="q.") == ("127.0.0.1:1234", "q.")
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "kafka:9092")
+    client = Client()
+    assert (client.bootstrap_servers, client.prefix) == ("kafka:9092", "parkade.")
+    assert Client("other:1", "x.").bootstrap_servers == "other:1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _parkade(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "parkade.cli", *argv], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("service", ["tokenizer", "scheduler"])
+def test_a_service_that_cannot_reach_its_broker_says_so_in_one_line(service):
+    bootstrap = f"127.0.0.1:{_free_port()}"
+    result = _parkade(service, "--bootstrap-servers", bootstrap, "--broker-wait", "0.5")
+    assert result.returncode == 1, result.stderr
+    assert (
+        result.stderr
+        == f"parkade {service}: cannot reach the broker at {bootstrap}: nothing answered within 0.5 s\n"
+    )
+
+
+def test_a_service_with_a_bad_model_folder_says_so_before_connecting(tmp_path):
+    result = _parkade("executor", "--bootstrap-servers", "127.0.0.1:1", "--model", str(tmp_path / "missing"))
+    assert result.returncode == 2 and result.stderr.startswith("parkade executor: no model folder at")
+    assert result.stderr.count("\n") == 1

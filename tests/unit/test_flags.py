@@ -1,0 +1,152 @@
+"""Settings reach the services: every option of the scheduler, the executor and the front end is
+a flag of its service, `parkade up` takes it and hands it on, and the service ends up with it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+from pathlib import Path
+
+import pytest
+
+from parkade import up
+from parkade.cli import build_parser
+from parkade.engine.args import EngineArgs
+from parkade.kernels.backends import AttentionBackend
+from parkade.schemas import ExecutorAnnouncement
+from parkade.services.bus.runtime import service_parser
+from parkade.services.common.flags import add_flags, dataclass_flags, flag_values, to_argv
+from parkade.services.executor import main as executor_main
+from parkade.services.executor.options import ExecutorOptions
+from parkade.services.scheduler import main as scheduler_main
+from parkade.services.scheduler.config import (
+    AdmissionMode,
+    KVGeometry,
+    SchedulerConfig,
+    SchedulingOptions,
+    SchedulingPolicy,
+)
+from parkade.services.tokenizer import main as tokenizer_main
+from parkade.services.tokenizer.frontend import TokenizerOptions
+
+# A value other than the default for every option. NOTE: a new option fails these tests until it
+# is listed here, which is the point: it must be shown to reach its service.
+NON_DEFAULTS = {
+    SchedulingOptions: dict(
+        max_num_seqs=7,
+        max_num_batched_tokens=96,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        scheduling_policy=SchedulingPolicy.PRIORITY,
+        admission=AdmissionMode.RESERVE,
+    ),
+    ExecutorOptions: dict(
+        model=Path("/models/llama"),
+        dtype="bfloat16",
+        device="cpu",
+        block_size=8,
+        kv_cache_memory_bytes=123456,
+        max_model_len=64,
+        attention_backend=AttentionBackend.TRITON,
+        seed=11,
+    ),
+    TokenizerOptions: dict(model=Path("/models/llama"), tokenizer=Path("/models/llama-tokenizer")),
+}
+
+
+@pytest.mark.parametrize("cls", list(NON_DEFAULTS), ids=lambda c: c.__name__)
+def test_every_option_is_listed_with_a_value_that_is_not_its_default(cls):
+    values = NON_DEFAULTS[cls]
+    assert set(values) == {f.name for f in dataclasses.fields(cls)}
+    defaults = cls()
+    assert all(getattr(defaults, name) != value for name, value in values.items())
+
+
+def _up_args(extra: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(["up", *extra])
+
+
+def _every_option_on_the_up_command_line() -> argparse.Namespace:
+    argv = ["--max-in-flight", "3"]
+    for cls, values in NON_DEFAULTS.items():
+        if cls is not ExecutorOptions:  # its --model is the tokenizer's: `parkade up` takes it once
+            argv += to_argv(dataclass_flags(cls), values)
+    executor = {k: v for k, v in NON_DEFAULTS[ExecutorOptions].items() if k != "model"}
+    return _up_args(argv + to_argv(dataclass_flags(ExecutorOptions), executor))
+
+
+def test_every_scheduler_flag_reaches_the_scheduler_through_parkade_up():
+    args = _every_option_on_the_up_command_line()
+    argv = up.service_argv("scheduler", args)
+    parser = service_parser("scheduler", None)
+    scheduler_main.add_arguments(parser)
+    handler = scheduler_main.build_handler(parser.parse_args(["--bootstrap-servers", "x:1", *argv]))
+    expected = SchedulingOptions(**NON_DEFAULTS[SchedulingOptions])
+    assert handler.options == expected and handler.max_in_flight == 3
+    # ... and shapes the scheduler once an executor announces its pool.
+    announcement = ExecutorAnnouncement(
+        executor_id="e", model="m", num_blocks=40, block_size=8, max_model_len=96, vocab_size=50
+    )
+    handler.on_announcement(announcement)
+    config = handler.scheduler.config
+    assert config == SchedulerConfig.build(expected, KVGeometry(40, 8, 96))
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (7, 96)
+    assert not config.enable_prefix_caching and not config.enable_chunked_prefill
+    assert (config.scheduling_policy, config.admission) == ("priority", "reserve")
+    assert handler.scheduler.kv.enable_caching is False
+
+
+def test_every_executor_and_tokenizer_flag_reaches_its_service_through_parkade_up():
+    args = _every_option_on_the_up_command_line()
+    for name, main, cls in (
+        ("executor", executor_main, ExecutorOptions),
+        ("tokenizer", tokenizer_main, TokenizerOptions),
+    ):
+        parser = service_parser(name, None)
+        add_flags(parser, main.FLAGS)
+        parsed = parser.parse_args(up.service_argv(name, args))
+        assert cls(**flag_values(main.FLAGS, parsed)) == cls(**NON_DEFAULTS[cls]), name
+
+
+def test_defaults_pass_nothing_on_and_offline_takes_every_engine_option():
+    args = _up_args([])
+    assert all(up.service_argv(name, args) == [] for name in ("tokenizer", "executor", "scheduler"))
+    offline = build_parser().parse_args(
+        ["offline", "hi", "--scheduling-policy", "priority", "--block-size", "8"]
+    )
+    from parkade.cli import _engine_flags
+
+    engine_args = EngineArgs(**flag_values(_engine_flags(), offline))
+    assert {f.name for f in _engine_flags()} == {f.name for f in dataclasses.fields(EngineArgs)} - {"seed"}
+    assert (engine_args.scheduling_policy, engine_args.block_size) == (SchedulingPolicy.PRIORITY, 8)
+
+
+class Color(enum.StrEnum):
+    RED = "red"
+    BLUE = "blue"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Toy:
+    count: int = 1
+    ratio: float = 0.5
+    name: str | None = None
+    color: Color = Color.RED
+    verbose: bool = False
+    tags: tuple[str, ...] = ("a",)
+
+
+def test_flags_round_trip_through_the_command_line():
+    flags = dataclass_flags(Toy)
+    parser = argparse.ArgumentParser()
+    add_flags(parser, flags)
+    for values in ({}, dict(count=3, ratio=0.25, name="x", color=Color.BLUE, verbose=True, tags=("b", "c"))):
+        expected = Toy(**values)
+        argv = to_argv(flags, dataclasses.asdict(expected))
+        assert Toy(**flag_values(flags, parser.parse_args(argv))) == expected, argv
+    with pytest.raises(ValueError, match="cannot be set to None"):
+        to_argv(dataclass_flags(SchedulingOptions), {"max_num_seqs": None})
+    with pytest.raises(ValueError, match="cannot be emptied"):
+        to_argv(flags, {"tags": ()})
+    assert "default: red" in parser.format_help() and "{red,blue}" in parser.format_help()
