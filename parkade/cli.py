@@ -27,7 +27,10 @@ from typing import TYPE_CHECKING, Any
 from parkade import up
 from parkade.schemas import FinishReason, SamplingParams, TokenEvent
 from parkade.services import SERVICES
-from parkade.services.common.flags import Flag, add_flags, flag_values, struct_flags
+from parkade.services.common.flags import Flag, add_flags, dataclass_flags, flag_values, struct_flags
+from parkade.services.executor.options import ExecutorOptions
+from parkade.services.scheduler.config import SchedulingOptions
+from parkade.services.tokenizer.frontend import TokenizerOptions
 
 if TYPE_CHECKING:
     from parkade.engine.outputs import RequestOutput
@@ -89,12 +92,16 @@ def _summary(finish_reason: str | None, num_tokens: int) -> None:
 
 # ---- parkade offline -------------------------------------------------------------------------
 def _engine_flags() -> list[Flag]:
-    """`EngineArgs`' fields as flags: the three services' flags, as `parkade up` takes them.
+    """`EngineArgs`' fields as flags, made from the option classes it joins (importing
+    `EngineArgs` itself would import torch before it is needed).
 
     NOTE: not the engine's `seed`: here --seed seeds the one request, which is what a single
     prompt needs."""
-    flags = {f.name: f for service in SERVICES for f in up.SERVICE_FLAGS[service]}
-    return [f for f in flags.values() if f.name != "seed"]
+    flags: dict[str, Flag] = {}
+    for cls in (TokenizerOptions, ExecutorOptions, SchedulingOptions):
+        for flag in dataclass_flags(cls, exclude=("seed",)):
+            flags.setdefault(flag.name, flag)  # `model` is in two of them
+    return list(flags.values())
 
 
 def _offline(args: argparse.Namespace) -> int:

@@ -36,8 +36,7 @@ from parkade.services import SERVICES
 from parkade.services.common.flags import Flag, add_flags, dataclass_flags, flag_values, to_argv
 from parkade.services.common.model_files import check_model_folder
 from parkade.services.executor.options import ExecutorOptions
-from parkade.services.scheduler.config import SchedulingOptions
-from parkade.services.scheduler.handler import DEFAULT_MAX_IN_FLIGHT
+from parkade.services.scheduler import main as scheduler_main
 from parkade.services.tokenizer.frontend import TokenizerOptions
 
 STOP_TIMEOUT_S = 20.0
@@ -48,7 +47,7 @@ _TAIL_LINES = 20
 SERVICE_FLAGS: dict[str, list[Flag]] = {
     "tokenizer": dataclass_flags(TokenizerOptions),
     "executor": dataclass_flags(ExecutorOptions),
-    "scheduler": dataclass_flags(SchedulingOptions),
+    "scheduler": scheduler_main.FLAGS,  # SchedulingOptions' fields and --max-in-flight
 }
 
 
@@ -56,14 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser.add_argument_group("model"), SERVICE_FLAGS["tokenizer"])
     executor = [f for f in SERVICE_FLAGS["executor"] if f.name != "model"]  # --model is above
     add_flags(parser.add_argument_group("executor (KV pool, device)"), executor)
-    scheduler = parser.add_argument_group("scheduler (batching, admission)")
-    add_flags(scheduler, SERVICE_FLAGS["scheduler"])
-    scheduler.add_argument(
-        "--max-in-flight",
-        type=int,
-        default=DEFAULT_MAX_IN_FLIGHT,
-        help=f"step plans out at once (default: {DEFAULT_MAX_IN_FLIGHT})",
-    )
+    add_flags(parser.add_argument_group("scheduler (batching, admission)"), SERVICE_FLAGS["scheduler"])
     local = parser.add_argument_group("this machine")
     local.add_argument("--topic-prefix", default=DEFAULT_PREFIX, help=f"(default: {DEFAULT_PREFIX})")
     local.add_argument(
@@ -77,27 +69,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def service_argv(name: str, args: argparse.Namespace) -> list[str]:
     """The flags of service `name` for the settings `parkade up` was given."""
     flags = SERVICE_FLAGS[name]
-    argv = to_argv(flags, flag_values(flags, args))
-    if name == "scheduler" and args.max_in_flight != DEFAULT_MAX_IN_FLIGHT:
-        argv += ["--max-in-flight", str(args.max_in_flight)]
-    return argv
+    return to_argv(flags, flag_values(flags, args))
 
 
 def check(args: argparse.Namespace) -> str | None:
     """What is wrong with the settings, in one line, before anything starts; None if nothing."""
-    running = read_state()
-    if running is not None:
-        return f"already running (pid {running['pid']}); stop it first"
     try:
         check_model_folder(args.model, tokenizer=args.tokenizer is None)
         if args.tokenizer is not None:
             check_model_folder(args.tokenizer, config=False, weights=False)
-        for name, cls in (("executor", ExecutorOptions), ("scheduler", SchedulingOptions)):
-            cls(**flag_values(SERVICE_FLAGS[name], args))
+        ExecutorOptions(**flag_values(SERVICE_FLAGS["executor"], args))
+        scheduler_main.build_handler(args)  # cheap: the scheduler waits for an executor to size it
     except ValueError as error:
         return str(error)
-    if args.max_in_flight < 1:
-        return f"--max-in-flight must be >= 1, got {args.max_in_flight}"
     if args.port is not None and not os.environ.get("KAFKA_BOOTSTRAP_SERVERS") and _port_in_use(args.port):
         return (
             f"port {args.port} on 127.0.0.1 is in use (another broker, or another program): pass another "
@@ -111,10 +95,14 @@ def main(args: argparse.Namespace) -> int:
         for name in ("model", "tokenizer"):
             if getattr(args, name) is not None:
                 setattr(args, name, Path(getattr(args, name)).expanduser().resolve())
+        running = read_state()
+        if running is not None:
+            print(f"parkade up: already running (pid {running['pid']}); stop it first", file=sys.stderr)
+            return 1
         problem = check(args)
         if problem is not None:
             print(f"parkade up: {problem}", file=sys.stderr)
-            return 2 if not problem.startswith("already running") else 1
+            return 2
         return asyncio.run(_run(args, args.model))
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were set: nothing runs yet
         return 0

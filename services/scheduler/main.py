@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import Callable
 
@@ -9,12 +10,16 @@ from parkade.schemas import topics
 from parkade.services.bus.base import Bus
 from parkade.services.bus.runtime import run_service, service_parser
 from parkade.services.bus.serve import send_all, serve
-from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
+from parkade.services.common.flags import Flag, add_flags, dataclass_flags, flag_values
 from parkade.services.scheduler.config import SchedulingOptions
 from parkade.services.scheduler.handler import DEFAULT_MAX_IN_FLIGHT, SchedulerHandler
 
 GROUP_ID = "parkade-scheduler"
-FLAGS = dataclass_flags(SchedulingOptions)
+# Every SchedulingOptions field, and the service's own --max-in-flight.
+FLAGS = [
+    *dataclass_flags(SchedulingOptions),
+    Flag("max_in_flight", int, DEFAULT_MAX_IN_FLIGHT, "step plans out at once"),
+]
 
 
 async def run(
@@ -41,23 +46,15 @@ async def run(
     )
 
 
-def add_arguments(parser) -> None:
-    """The scheduler's flags: every `SchedulingOptions` field, and --max-in-flight."""
-    add_flags(parser, FLAGS)
-    parser.add_argument(
-        "--max-in-flight",
-        type=int,
-        default=DEFAULT_MAX_IN_FLIGHT,
-        help=f"step plans out at once (default: {DEFAULT_MAX_IN_FLIGHT})",
-    )
-
-
-def build_handler(args) -> SchedulerHandler:
-    return SchedulerHandler(SchedulingOptions(**flag_values(FLAGS, args)), max_in_flight=args.max_in_flight)
+def build_handler(args: argparse.Namespace) -> SchedulerHandler:
+    """The handler for parsed FLAGS; ValueError for settings that cannot work."""
+    values = flag_values(FLAGS, args)
+    max_in_flight = values.pop("max_in_flight")
+    return SchedulerHandler(SchedulingOptions(**values), max_in_flight=max_in_flight)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = service_parser("scheduler", __doc__)
-    add_arguments(parser)
+    add_flags(parser, FLAGS)
     args = parser.parse_args(argv)
     return run_service("scheduler", parser, args, lambda: build_handler(args), run)

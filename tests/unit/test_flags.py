@@ -80,7 +80,7 @@ def test_every_scheduler_flag_reaches_the_scheduler_through_parkade_up():
     args = _every_option_on_the_up_command_line()
     argv = up.service_argv("scheduler", args)
     parser = service_parser("scheduler", None)
-    scheduler_main.add_arguments(parser)
+    add_flags(parser, scheduler_main.FLAGS)
     handler = scheduler_main.build_handler(parser.parse_args(["--bootstrap-servers", "x:1", *argv]))
     expected = SchedulingOptions(**NON_DEFAULTS[SchedulingOptions])
     assert handler.options == expected and handler.max_in_flight == 3
