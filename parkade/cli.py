@@ -25,12 +25,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from parkade import up
+from parkade.engine.args import EngineArgs
 from parkade.schemas import FinishReason, SamplingParams, TokenEvent
 from parkade.services import SERVICES
-from parkade.services.common.flags import Flag, add_flags, dataclass_flags, flag_values, struct_flags
-from parkade.services.executor.options import ExecutorOptions
-from parkade.services.scheduler.config import SchedulingOptions
-from parkade.services.tokenizer.frontend import TokenizerOptions
+from parkade.services.common.flags import add_flags, dataclass_flags, flag_values, struct_flags
 
 if TYPE_CHECKING:
     from parkade.engine.outputs import RequestOutput
@@ -60,10 +58,6 @@ GENERATION_FLAGS = [
 ]
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the description's line breaks."""
-
-
 def _sampling_params(command: str, args: argparse.Namespace) -> SamplingParams | None:
     """The request's SamplingParams, or None after printing what is wrong (exit 2)."""
     try:
@@ -86,22 +80,15 @@ async def _write_stream(prompt: str, events: AsyncIterator[tuple[str, Any]]) -> 
     return last
 
 
-def _summary(finish_reason: str | None, num_tokens: int) -> None:
-    print(f"[finish_reason={finish_reason}, tokens={num_tokens}]", file=sys.stderr)
+def _summary(finish_reason: str | None, num_tokens: int | None) -> None:
+    tokens = "" if num_tokens is None else f", tokens={num_tokens}"
+    print(f"[finish_reason={finish_reason}{tokens}]", file=sys.stderr)
 
 
 # ---- parkade offline -------------------------------------------------------------------------
-def _engine_flags() -> list[Flag]:
-    """`EngineArgs`' fields as flags, made from the option classes it joins (importing
-    `EngineArgs` itself would import torch before it is needed).
-
-    NOTE: not the engine's `seed`: here --seed seeds the one request, which is what a single
-    prompt needs."""
-    flags: dict[str, Flag] = {}
-    for cls in (TokenizerOptions, ExecutorOptions, SchedulingOptions):
-        for flag in dataclass_flags(cls, exclude=("seed",)):
-            flags.setdefault(flag.name, flag)  # `model` is in two of them
-    return list(flags.values())
+# NOTE: not the engine's `seed`: here --seed seeds the one request, which is what a single prompt
+# needs.
+ENGINE_FLAGS = dataclass_flags(EngineArgs, exclude=("seed",))
 
 
 def _offline(args: argparse.Namespace) -> int:
@@ -111,7 +98,7 @@ def _offline(args: argparse.Namespace) -> int:
     from parkade import AsyncLLM
 
     try:
-        engine = AsyncLLM(**flag_values(_engine_flags(), args))
+        engine = AsyncLLM(**flag_values(ENGINE_FLAGS, args))
     except ValueError as error:
         print(f"parkade offline: {error}", file=sys.stderr)
         return 2
@@ -194,7 +181,7 @@ async def _stream(
     if event.error is not None or event.finish_reason is FinishReason.ERROR:
         print(f"parkade generate: error: {event.error}", file=sys.stderr)
         return 1
-    _summary(event.finish_reason, event.usage.completion_tokens if event.usage is not None else 0)
+    _summary(event.finish_reason, event.usage.completion_tokens if event.usage is not None else None)
     return 0
 
 
@@ -207,7 +194,9 @@ def _service(name: str, argv: list[str]) -> int:
 def _subcommand(
     sub: Any, name: str, help_text: str, func: Callable[[argparse.Namespace], int]
 ) -> argparse.ArgumentParser:
-    parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_Formatter)
+    parser = sub.add_parser(
+        name, help=help_text, description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.set_defaults(func=func)
     return parser
 
@@ -216,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="parkade",
         description=__doc__.split("\n")[0],
-        formatter_class=_Formatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.split("\n")[2:]),
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -238,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     offline = _subcommand(sub, "offline", "generate with the in-process engine (no Kafka)", _offline)
     offline.add_argument("prompt")
     add_flags(offline.add_argument_group("generation"), GENERATION_FLAGS)
-    add_flags(offline.add_argument_group("engine"), _engine_flags())
+    add_flags(offline.add_argument_group("engine"), ENGINE_FLAGS)
     return parser
 
 

@@ -31,22 +31,27 @@ from pathlib import Path
 
 from parkade.home import parkade_home, read_state, remove_state, write_state
 from parkade.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
-from parkade.schemas.topics import DEFAULT_PREFIX, all_topic_names
+from parkade.schemas.topics import DEFAULT_PREFIX
 from parkade.services import SERVICES
-from parkade.services.common.flags import Flag, add_flags, dataclass_flags, flag_values, to_argv
+from parkade.services.bus.runtime import BROKER_WAIT_S
+from parkade.services.common.flags import Flag, add_flags, flag_values, to_argv
+from parkade.services.common.model_config import read_max_position_embeddings
 from parkade.services.common.model_files import check_model_folder
+from parkade.services.executor import main as executor_main
 from parkade.services.executor.options import ExecutorOptions
 from parkade.services.scheduler import main as scheduler_main
-from parkade.services.tokenizer.frontend import TokenizerOptions
+from parkade.services.scheduler.config import check_options
+from parkade.services.tokenizer import main as tokenizer_main
 
 STOP_TIMEOUT_S = 20.0
 _TAIL_LINES = 20
 
-# Each service's flags, made from its options class: `parkade up` takes them all and hands each
-# service its own (`_service_cmd`), so a new option reaches its service with nothing to add here.
+# Each service's own flags (its `main.FLAGS`, made from its options class): `parkade up` takes
+# them all and hands each service its own (`service_argv`), so a new option reaches its service
+# with nothing to add here.
 SERVICE_FLAGS: dict[str, list[Flag]] = {
-    "tokenizer": dataclass_flags(TokenizerOptions),
-    "executor": dataclass_flags(ExecutorOptions),
+    "tokenizer": tokenizer_main.FLAGS,
+    "executor": executor_main.FLAGS,
     "scheduler": scheduler_main.FLAGS,  # SchedulingOptions' fields and --max-in-flight
 }
 
@@ -64,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     local.add_argument(
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for the services (default: 300)"
     )
+    local.add_argument(
+        "--broker-wait",
+        type=float,
+        default=BROKER_WAIT_S,
+        help=f"seconds for a broker in $KAFKA_BOOTSTRAP_SERVERS to answer (default: {BROKER_WAIT_S:g})",
+    )
 
 
 def service_argv(name: str, args: argparse.Namespace) -> list[str]:
@@ -78,8 +89,11 @@ def check(args: argparse.Namespace) -> str | None:
         check_model_folder(args.model, tokenizer=args.tokenizer is None)
         if args.tokenizer is not None:
             check_model_folder(args.tokenizer, config=False, weights=False)
-        ExecutorOptions(**flag_values(SERVICE_FLAGS["executor"], args))
-        scheduler_main.build_handler(args)  # cheap: the scheduler waits for an executor to size it
+        executor = ExecutorOptions(**flag_values(SERVICE_FLAGS["executor"], args))
+        scheduler = scheduler_main.build_handler(args)  # cheap: it waits for an executor to size it
+        # What the scheduler would refuse once the executor announces itself, refused now.
+        max_model_len = executor.max_model_len or read_max_position_embeddings(args.model)
+        check_options(scheduler.options, block_size=executor.block_size, max_model_len=max_model_len)
     except ValueError as error:
         return str(error)
     if args.port is not None and not os.environ.get("KAFKA_BOOTSTRAP_SERVERS") and _port_in_use(args.port):
@@ -103,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
         if problem is not None:
             print(f"parkade up: {problem}", file=sys.stderr)
             return 2
-        return asyncio.run(_run(args, args.model))
+        return asyncio.run(_run(args))
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were set: nothing runs yet
         return 0
 
@@ -173,22 +187,23 @@ class Child:
         return await self.exited()
 
 
-async def _run(args: argparse.Namespace, model: Path) -> int:
+async def _run(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     children: list[Child] = []
     try:
-        served = await _serve(args, model, children, stop)
+        served = await _serve(args, children, stop)
     finally:
         remove_state()
         stopped = await _stop_all(children)
     return 0 if served and stopped else 1
 
 
-async def _serve(args: argparse.Namespace, model: Path, children: list[Child], stop: asyncio.Event) -> bool:
-    """Start the broker (unless given one), the topics and the services, then wait for `stop`.
+async def _serve(args: argparse.Namespace, children: list[Child], stop: asyncio.Event) -> bool:
+    """Start the broker (unless given one) and the services (each creates any missing topic),
+    then wait for `stop`.
 
     Started children go into `children`. -> False if a child failed or startup timed out.
     """
@@ -200,9 +215,8 @@ async def _serve(args: argparse.Namespace, model: Path, children: list[Child], s
         children.append(broker)
         if not await _until(_broker_up(broker, bootstrap), stop, 60.0):
             return stop.is_set()
-    await _create_topics(bootstrap, args.topic_prefix)
-    if stop.is_set():
-        return True
+    elif not await _until(_external_broker_up(bootstrap, args.broker_wait), stop, None):
+        return stop.is_set()
     services = []
     for name in SERVICES:
         services.append(await Child.start(name, _service_cmd(name, bootstrap, args), log_dir))
@@ -213,12 +227,12 @@ async def _serve(args: argparse.Namespace, model: Path, children: list[Child], s
         "pid": os.getpid(),
         "bootstrap_servers": bootstrap,
         "topic_prefix": args.topic_prefix,
-        "model": str(model),
+        "model": str(args.model),
         "pids": {c.name: c.proc.pid for c in children},
         "logs": str(log_dir),
     }
     write_state(state)
-    _print_instructions(bootstrap, args.topic_prefix, model, log_dir)
+    _print_instructions(bootstrap, args.topic_prefix, args.model, log_dir)
     await _until(_first_exit(children), stop, None)  # the broker too: without it nothing works
     return stop.is_set()
 
@@ -282,14 +296,18 @@ async def _broker_up(broker: Child, bootstrap: str) -> bool:
     return True
 
 
-async def _create_topics(bootstrap: str, prefix: str) -> None:
-    from parkade.services.bus.kafka import KafkaBus
+async def _external_broker_up(bootstrap: str, wait_s: float) -> bool:
+    from parkade.services.bus.kafka import BrokerUnreachableError, wait_for_broker
 
-    bus = KafkaBus(bootstrap)
     try:
-        await bus.create_topics(all_topic_names(prefix))
-    finally:
-        await bus.close()
+        await wait_for_broker(bootstrap, timeout_s=wait_s)
+    except BrokerUnreachableError as error:
+        print(
+            f"parkade up: cannot reach the broker at {bootstrap} ($KAFKA_BOOTSTRAP_SERVERS): {error}",
+            file=sys.stderr,
+        )
+        return False
+    return True
 
 
 def _service_cmd(name: str, bootstrap: str, args: argparse.Namespace) -> list[str]:
@@ -344,6 +362,8 @@ def _free_port() -> int:
 
 def _port_in_use(port: int) -> bool:
     with socket.socket() as s:
+        # As a listening server binds: a port left in TIME_WAIT by the last broker is free.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError as error:

@@ -15,8 +15,9 @@ Libraries the services share:
     common/      reading model folders, command-line flags from option classes, bounded id sets
 
 Imports run one way: a service imports libraries (`bus`, `common`, `parkade.schemas`,
-`parkade.kernels`) and its own folder, never another service's folder; nothing here imports the
-in-process engine or the command line (`tests/unit/test_architecture.py` checks it).
+`parkade.kernels`, and `parkade.models`, the data package of the shipped model) and its own
+folder, never another service's folder; nothing here imports the in-process engine or the
+command line (`tests/unit/test_architecture.py` checks it).
 """
 
 SERVICES = ("tokenizer", "scheduler", "executor")

@@ -5,7 +5,8 @@
                + SchedulingOptions (max_num_seqs, ...)       -> the scheduler, as `parkade scheduler`
 
 Each field is declared once, in the options class of the component that reads it; the services'
-flags are made from the same classes, so both paths take the same settings.
+flags are made from the same classes, so both paths take the same settings. Torch-free: the
+command line makes `parkade offline`'s flags from it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from parkade.services.common.model_config import ModelConfig
-from parkade.services.executor.build import build_executor
-from parkade.services.executor.executor import Executor
 from parkade.services.executor.options import ExecutorOptions
-from parkade.services.scheduler.config import KVGeometry, SchedulerConfig, SchedulingOptions
-from parkade.services.scheduler.scheduler import Scheduler
+from parkade.services.scheduler.config import SchedulingOptions
 from parkade.services.tokenizer.frontend import TokenizerOptions
 
 T = TypeVar("T")
@@ -46,18 +43,3 @@ class EngineArgs(TokenizerOptions, ExecutorOptions, SchedulingOptions):
                 f"unknown engine argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
         return cls(**kwargs)
-
-
-def build_engine_parts(args: EngineArgs) -> tuple[ModelConfig, Scheduler, Executor]:
-    """Load the model, size the KV pool, and build the scheduler over that pool."""
-    scheduling = args.options(SchedulingOptions)
-
-    def check_scheduling(max_model_len: int) -> None:
-        # Settings that cannot work fail before the weights load.
-        SchedulerConfig.build(scheduling, KVGeometry(1, args.block_size, max_model_len))
-
-    model_config, executor, max_model_len = build_executor(
-        args.options(ExecutorOptions), max_num_seqs=args.max_num_seqs, before_load=check_scheduling
-    )
-    geometry = KVGeometry(executor.num_blocks, args.block_size, max_model_len)
-    return model_config, Scheduler(SchedulerConfig.build(scheduling, geometry)), executor

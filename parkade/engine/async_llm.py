@@ -1,4 +1,4 @@
-"""`AsyncLLM`: the streaming engine API that the services wrap.
+"""`AsyncLLM`: the streaming engine API, in one process (`parkade offline` runs on it).
 
     engine = AsyncLLM()  # the shipped stories260K; or AsyncLLM(model=DIR, ...)
     async for output in engine.generate("Once upon a time", params, request_id="r1"):

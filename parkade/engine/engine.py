@@ -9,11 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from parkade.engine.args import EngineArgs, build_engine_parts
+from parkade.engine.args import EngineArgs
 from parkade.engine.core import EngineCore
 from parkade.engine.output_processor import OutputProcessor
 from parkade.engine.outputs import RequestOutput
 from parkade.schemas import EngineRequest, FinishReason, SamplingParams
+from parkade.services.common.model_config import ModelConfig
+from parkade.services.executor.build import build_executor
+from parkade.services.executor.executor import Executor
+from parkade.services.executor.options import ExecutorOptions
+from parkade.services.scheduler.config import KVGeometry, SchedulerConfig, SchedulingOptions, check_options
+from parkade.services.scheduler.scheduler import Scheduler
 from parkade.services.tokenizer.frontend import (
     FrontEnd,
     PromptType,
@@ -22,7 +28,21 @@ from parkade.services.tokenizer.frontend import (
     prompt_fields,
 )
 
-__all__ = ["Engine", "PromptType"]
+__all__ = ["Engine", "PromptType", "build_engine_parts"]
+
+
+def build_engine_parts(args: EngineArgs) -> tuple[ModelConfig, Scheduler, Executor]:
+    """Load the model, size the KV pool, and build the scheduler over that pool, as the executor
+    and scheduler services do (`build_executor`, `SchedulerConfig.build`)."""
+    scheduling = args.options(SchedulingOptions)
+    model_config, executor, max_model_len = build_executor(
+        args.options(ExecutorOptions),
+        before_load=lambda max_len: check_options(
+            scheduling, block_size=args.block_size, max_model_len=max_len
+        ),
+    )
+    geometry = KVGeometry(executor.num_blocks, args.block_size, max_model_len)
+    return model_config, Scheduler(SchedulerConfig.build(scheduling, geometry)), executor
 
 
 class Engine:
@@ -43,7 +63,9 @@ class Engine:
     def prepare(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> tuple[EngineRequest, RequestStream]:
-        """Tokenize and check a request without touching engine state (thread-safe).
+        """Tokenize and check a request without touching the scheduler or the executor, so that
+        it may run beside a step in another thread (`AsyncLLM` does). NOTE: it advances the front
+        end's arrival clock: call it from one thread at a time.
 
         Raises ValueError for a prompt that could never run."""
         request, stream = self.frontend.make_request(

@@ -27,6 +27,10 @@ from parkade.services.bus.base import CommitError, Headers, OutgoingRecord, Reco
 _CONSUMER_SETTINGS = dict(fetch_max_wait_ms=20, enable_auto_commit=False, auto_offset_reset="earliest")
 
 
+class TopicLayoutError(ValueError):
+    """A topic exists with a layout the services cannot work with (more than one partition)."""
+
+
 class KafkaConsumer:
     def __init__(self, consumer: AIOKafkaConsumer, group_id: str | None) -> None:
         self._consumer = consumer
@@ -128,7 +132,7 @@ class KafkaBus:
             for described in await admin.describe_topics(topics):
                 num_partitions = len(described.get("partitions") or ())
                 if num_partitions > 1:
-                    raise ValueError(
+                    raise TopicLayoutError(
                         f"topic {described['topic']} has {num_partitions} partitions; Parkade needs 1"
                     )
         finally:

@@ -4,9 +4,9 @@
     return run_service("scheduler", args, build_handler, serve)
 
 `run_service` checks the settings and builds the handler (a bad setting or model folder: one line,
-exit 2), waits for the broker (unreachable: one line, exit 1), creates the topics, runs `serve`
-until SIGINT or SIGTERM, and prints `READY <service>` once the service consumes its topics (the
-line `parkade up` waits for).
+exit 2), waits for the broker (unreachable: one line, exit 1), creates the missing topics (one
+with several partitions: one line, exit 2), runs `serve` until SIGINT or SIGTERM, and prints
+`READY <service>` once the service consumes its topics (the line `parkade up` waits for).
 """
 
 from __future__ import annotations
@@ -80,15 +80,18 @@ def run_service(
             wait_s=args.broker_wait,
         )
 
-    from aiokafka.errors import KafkaConnectionError
+    from parkade.services.bus.kafka import BrokerUnreachableError, TopicLayoutError
 
     try:
         return _run_until_signalled(serve_forever)
-    except (KafkaConnectionError, OSError) as error:
+    except BrokerUnreachableError as error:
         print(
             f"parkade {name}: cannot reach the broker at {args.bootstrap_servers}: {error}", file=sys.stderr
         )
         return 1
+    except TopicLayoutError as error:
+        print(f"parkade {name}: {error}", file=sys.stderr)
+        return 2
 
 
 async def on_kafka(

@@ -58,8 +58,6 @@ def _kind(annotation: Any) -> tuple[type, bool]:
         members = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(members) == 1:
             return _kind(members[0])
-        if any(typing.get_origin(m) is tuple for m in members):
-            return _kind(next(m for m in members if typing.get_origin(m) is tuple))
         return (Path if Path in members else str), False
     if origin is tuple:
         return typing.get_args(annotation)[0], True

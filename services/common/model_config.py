@@ -33,6 +33,7 @@ _DTYPES = {
     "half": "float16",
 }
 DTYPE_NAMES = ("auto", *_DTYPES)  # what `dtype` accepts as a string
+DEFAULT_MAX_POSITIONS = 2048  # when config.json has no max_position_embeddings
 _DEFAULT_ROPE_THETA = 10_000.0  # transformers' `default_theta`
 
 
@@ -147,7 +148,7 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=cfg.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
@@ -163,6 +164,12 @@ class ModelConfig:
     def layer_sliding_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, or None when it attends to the whole context."""
         return self.sliding_window if self.sliding_window_layers[layer] else None
+
+
+def read_max_position_embeddings(model_dir: str | Path) -> int:
+    """The model's longest sequence, from config.json alone (no torch, no weights)."""
+    cfg = _read_json(Path(model_dir) / "config.json") or {}
+    return cfg.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -225,6 +232,13 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
 
 
+def check_dtype_name(dtype: str) -> str:
+    """`dtype` if Parkade serves in it (a name of DTYPE_NAMES); ValueError otherwise."""
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPE_NAMES)}")
+    return dtype
+
+
 def _resolve_dtype(dtype: str | torch.dtype, cfg: dict[str, Any]) -> torch.dtype:
     import torch
 
@@ -232,6 +246,6 @@ def _resolve_dtype(dtype: str | torch.dtype, cfg: dict[str, Any]) -> torch.dtype
         return dtype
     if dtype == "auto":
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(_DTYPES)}")
+    if dtype not in _DTYPES:  # an unknown name, or "auto" written in config.json itself
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPE_NAMES)}")
     return getattr(torch, _DTYPES[dtype])

@@ -15,7 +15,7 @@ from parkade.services.common.model_config import ModelConfig
 from parkade.services.common.model_files import check_model_folder
 from parkade.services.executor.executor import Executor
 from parkade.services.executor.kv_pool import bytes_per_block
-from parkade.services.executor.options import CPU_KV_BYTES, DEFAULT_MAX_NUM_SEQS, ExecutorOptions
+from parkade.services.executor.options import CPU_KV_BYTES, CPU_KV_SEQS, ExecutorOptions
 
 
 def resolve_device(options: ExecutorOptions) -> torch.device:
@@ -27,7 +27,6 @@ def resolve_device(options: ExecutorOptions) -> torch.device:
 def build_executor(
     options: ExecutorOptions,
     *,
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     before_load: Callable[[int], None] | None = None,
 ) -> tuple[ModelConfig, Executor, int]:
     """Load the model and allocate the KV pool -> (config, executor, effective max_model_len).
@@ -49,8 +48,8 @@ def build_executor(
         before_load(max_model_len)
     kv_bytes = options.kv_cache_memory_bytes
     if kv_bytes is None and device.type == "cpu":
-        # Enough for every sequence at full length, capped; tiny models get a small pool.
-        wanted_blocks = max_num_seqs * (max_model_len // options.block_size + 1)
+        # Enough for CPU_KV_SEQS sequences at full length, capped; tiny models get a small pool.
+        wanted_blocks = CPU_KV_SEQS * (max_model_len // options.block_size + 1)
         block_bytes = bytes_per_block(model_config, options.block_size, model_config.dtype)
         kv_bytes = min(CPU_KV_BYTES, wanted_blocks * block_bytes)
     executor = Executor(

@@ -1,19 +1,25 @@
-"""The executor service: `parkade executor [--model DIR]`. Its only I/O edge."""
+"""The executor service: `parkade executor [--model DIR]`. Its only I/O edge.
+
+NOTE: torch (the model, the handler) is imported when the handler is built, not with this module:
+`parkade up` reads FLAGS here to pass the executor its settings, and starts without torch.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from parkade.schemas import topics
 from parkade.services.bus.base import Bus
 from parkade.services.bus.runtime import run_service, service_parser
 from parkade.services.bus.serve import send_all, serve
 from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
-from parkade.services.executor.build import build_executor
-from parkade.services.executor.handler import ExecutorHandler
 from parkade.services.executor.options import ExecutorOptions
+
+if TYPE_CHECKING:
+    from parkade.services.executor.handler import ExecutorHandler
 
 GROUP_ID = "parkade-executor"
 HEARTBEAT_S = 5.0
@@ -56,6 +62,9 @@ async def run(
 
 
 def build_handler(options: ExecutorOptions) -> ExecutorHandler:
+    from parkade.services.executor.build import build_executor
+    from parkade.services.executor.handler import ExecutorHandler
+
     model_config, executor, max_model_len = build_executor(options)
     return ExecutorHandler(
         executor,

@@ -11,7 +11,7 @@ from typing import Any
 
 from parkade.kernels.backends import AttentionBackend
 from parkade.models import DEFAULT_MODEL
-from parkade.services.common.model_config import DTYPE_NAMES
+from parkade.services.common.model_config import DTYPE_NAMES, check_dtype_name
 from parkade.services.common.model_files import MODEL_METADATA
 
 DType = Any  # a torch.dtype (not named, to keep torch out of this module)
@@ -20,8 +20,10 @@ DType = Any  # a torch.dtype (not named, to keep torch out of this module)
 # machine; on CUDA the executor takes a share of the memory the weights left free.
 CPU_KV_BYTES = 512 * 2**20
 DEVICES = ("auto", "cpu", "cuda")
-# The executor's guess at concurrency when it sizes a CPU pool by itself (the scheduler's default).
-DEFAULT_MAX_NUM_SEQS = 256
+# How many full-length requests a CPU pool is sized for when no budget is given. NOTE: a fixed
+# number, not the scheduler's max_num_seqs: the executor must size its pool alike in one process
+# and as a service, which never sees the scheduler's options.
+CPU_KV_SEQS = 256
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +43,7 @@ class ExecutorOptions:
         default=None,
         metadata={
             "help": "bytes of the KV block pool; unset: 85% of the free memory on CUDA, on a CPU enough for "
-            f"max_num_seqs full-length requests, at most {CPU_KV_BYTES // 2**20} MiB"
+            f"{CPU_KV_SEQS} full-length requests, at most {CPU_KV_BYTES // 2**20} MiB"
         },
     )
     max_model_len: int | None = field(
@@ -59,8 +61,8 @@ class ExecutorOptions:
         object.__setattr__(self, "device", "auto" if self.device is None else str(self.device))
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {', '.join(DEVICES)} or cuda:N; got {self.device!r}")
-        if isinstance(self.dtype, str) and self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {self.dtype!r}")
+        if isinstance(self.dtype, str):
+            check_dtype_name(self.dtype)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         for name in ("kv_cache_memory_bytes", "max_model_len"):

@@ -144,3 +144,10 @@ class SchedulerConfig:
     @property
     def geometry(self) -> KVGeometry:
         return KVGeometry(self.num_blocks, self.block_size, self.max_model_len)
+
+
+def check_options(options: SchedulingOptions, *, block_size: int, max_model_len: int) -> None:
+    """Raise ValueError now for options that `SchedulerConfig.build` would refuse on any pool of
+    this block size and max_model_len: before the weights load in one process, before the
+    services start under `parkade up`."""
+    SchedulerConfig.build(options, KVGeometry(1, block_size, max_model_len))

@@ -1,5 +1,6 @@
 """The front end: everything between a client's request and an `EngineRequest`, and between the
-scheduler's `GeneratedTokens` and what the client is shown. Pure (no I/O). The in-process engine
+scheduler's `GeneratedTokens` and what the client is shown. No bus I/O: `FrontEnd.from_options`
+reads the model folder once, and the rest is computation. The in-process engine
 (`parkade.engine`) and the tokenizer service (`handler.py`) both call it, so the two paths cannot
 drift apart.
 

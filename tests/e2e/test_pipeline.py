@@ -7,6 +7,8 @@ look at the scheduler's block pool; `test_up.py` runs them as separate processes
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import uuid
 
 import msgspec
@@ -187,3 +189,9 @@ def test_a_topic_with_several_partitions_is_refused(bootstrap_servers):
             await bus.close()
 
     asyncio.run(main())
+    # A service on such a topic says so in one line and exits.
+    prefix = name.removesuffix("step-plans")
+    service = [sys.executable, "-m", "parkade.cli", "scheduler", "--bootstrap-servers", bootstrap_servers]
+    result = subprocess.run([*service, "--topic-prefix", prefix], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"parkade scheduler: topic {name} has 2 partitions; Parkade needs 1\n"

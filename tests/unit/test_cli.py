@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from parkade import DEFAULT_MODEL
+from parkade import DEFAULT_MODEL, up
 from parkade.cli import GENERATION_FLAGS, build_parser, main
 from parkade.client import Client, NoBrokerError, find_broker
 from parkade.home import write_state
@@ -107,6 +107,23 @@ def test_up_refuses_a_port_in_use_before_starting_anything(capsys, tmp_path):
 def test_up_refuses_settings_that_cannot_work(capsys):
     assert main(["up", "--max-num-seqs", "0"]) == 2
     assert capsys.readouterr().err == "parkade up: max_num_seqs must be >= 1, got 0\n"
+    assert main(["up", "--max-in-flight", "0"]) == 2
+    assert capsys.readouterr().err == "parkade up: max_in_flight must be >= 1, got 0\n"
+    # As `LLM(...)` refuses it before loading weights (stories260K: 512 positions).
+    no_chunks = ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "256"]
+    assert main(["up", *no_chunks]) == 2
+    assert "max_num_batched_tokens (256) must be >= max_model_len (512)" in capsys.readouterr().err
+    parse = build_parser().parse_args
+    assert up.check(parse(["up", *no_chunks, "--max-model-len", "256"])) is None
+
+
+def test_up_says_in_one_line_that_the_given_broker_does_not_answer(monkeypatch, capsys):
+    bootstrap = f"127.0.0.1:{_free_port()}"
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", bootstrap)
+    assert main(["up", "--broker-wait", "0.5"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"parkade up: cannot reach the broker at {bootstrap} ($KAFKA_BOOTSTRAP_SERVERS)")
 
 
 def test_generate_without_a_broker_says_how_to_get_one(capsys):

@@ -115,10 +115,10 @@ def test_defaults_pass_nothing_on_and_offline_takes_every_engine_option():
     offline = build_parser().parse_args(
         ["offline", "hi", "--scheduling-policy", "priority", "--block-size", "8"]
     )
-    from parkade.cli import _engine_flags
+    from parkade.cli import ENGINE_FLAGS
 
-    engine_args = EngineArgs(**flag_values(_engine_flags(), offline))
-    assert {f.name for f in _engine_flags()} == {f.name for f in dataclasses.fields(EngineArgs)} - {"seed"}
+    engine_args = EngineArgs(**flag_values(ENGINE_FLAGS, offline))
+    assert {f.name for f in ENGINE_FLAGS} == {f.name for f in dataclasses.fields(EngineArgs)} - {"seed"}
     assert (engine_args.scheduling_policy, engine_args.block_size) == (SchedulingPolicy.PRIORITY, 8)
 
 
