@@ -17,10 +17,12 @@ computed in fp32 (K/V gathered from the pool are copies anyway) and cast back to
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["paged_attention_varlen", "write_kv_cache"]
+__all__ = ["decode_batch", "paged_attention_varlen", "split_prefill_decode", "write_kv_cache"]
 
 
 def write_kv_cache(
@@ -64,6 +66,37 @@ def paged_attention_varlen(
     Returns `[num_tokens, num_q_heads, head_dim]` in q's dtype.
     """
     del max_seqlen_q, max_seqlen_k
+    return split_prefill_decode(
+        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, softmax_scale=softmax_scale,
+        block_table=block_table, sliding_window=sliding_window, query_lens=query_lens, seq_lens=seq_lens,
+        decode=decode_batch,
+    )  # fmt: skip
+
+
+class DecodeFn(Protocol):
+    """Attention of one query per request; `q` [num_decodes, num_q_heads, head_dim] -> same, q's dtype."""
+
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+        seq_lens: list[int], scale: float, sliding_window: int | None,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+
+def split_prefill_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    softmax_scale: float,
+    block_table: torch.Tensor,
+    sliding_window: int | None,
+    query_lens: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+    decode: DecodeFn,
+) -> torch.Tensor:
+    """Prefill chunks one by one through SDPA, every decode row in one `decode` call."""
     if not query_lens:
         query_lens = tuple((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist())
     if not seq_lens:
@@ -94,9 +127,7 @@ def paged_attention_varlen(
         else:
             seqs = torch.tensor(decode_seqs, device=q.device)
             rows = torch.tensor(decode_rows, device=q.device)
-        out[rows] = _decode_batch(
-            q[rows], k_cache, v_cache, block_table[seqs], lens, softmax_scale, sliding_window
-        )
+        out[rows] = decode(q[rows], k_cache, v_cache, block_table[seqs], lens, softmax_scale, sliding_window)
     return out
 
 
@@ -136,7 +167,7 @@ def _prefill_one(
     return out.transpose(0, 1).to(q.dtype)  # [q_len, num_q_heads, head_dim]
 
 
-def _decode_batch(
+def decode_batch(
     q: torch.Tensor,  # [num_decodes, num_q_heads, head_dim]: each request's single query
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

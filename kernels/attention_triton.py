@@ -101,6 +101,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr,  # block_size % BLOCK_N == 0: one block id per key tile
     USE_WINDOW: tl.constexpr,
     IEEE_FP32: tl.constexpr,  # fp32 inputs: exact dots, not TF32
     UPCAST: tl.constexpr,  # dots in fp32 (the CPU interpreter)
@@ -148,11 +149,16 @@ def _paged_attention_kernel(
     for tile in range(lo, hi):
         k_pos = tile * BLOCK_N + offs_n
         k_valid = k_pos < seq_len
-        block = tl.load(table_row + k_pos // block_size, mask=k_valid, other=0).to(tl.int64)
-        in_block = (k_pos % block_size).to(tl.int64)
         kv_mask = k_valid[:, None] & d_mask[None, :]
-        k_off = block[:, None] * stride_kb + in_block[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-        v_off = block[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
+        if TILE_IN_BLOCK:
+            # block_size is a multiple of BLOCK_N: the whole tile lies in one block, one id load.
+            block = tl.load(table_row + (tile * BLOCK_N) // block_size).to(tl.int64)
+            in_block = ((tile * BLOCK_N) % block_size + offs_n).to(tl.int64)
+        else:
+            block = tl.load(table_row + k_pos // block_size, mask=k_valid, other=0).to(tl.int64)
+            in_block = (k_pos % block_size).to(tl.int64)
+        k_off = (block * stride_kb + in_block * stride_ks)[:, None] + kv_head * stride_kh + d[None, :]
+        v_off = (block * stride_vb + in_block * stride_vs)[:, None] + kv_head * stride_vh + d[None, :]
         k = tl.load(k_cache_ptr + k_off, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_PAD]
         v = tl.load(v_cache_ptr + v_off, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), IEEE_FP32, UPCAST) * softmax_scale  # [BLOCK_M, BLOCK_N] fp32
@@ -345,7 +351,7 @@ def paged_attention_varlen(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits, TILE_IN_BLOCK=block_size % block_n == 0,
         USE_WINDOW=sliding_window is not None, IEEE_FP32=q.dtype == torch.float32,
         UPCAST=q.device.type == "cpu",
     )  # fmt: skip

@@ -37,7 +37,7 @@ import torch
 from parkade import AsyncLLM, SamplingParams
 from parkade.client import Client
 from parkade.models import DEFAULT_MODEL
-from parkade.schemas import topics
+from parkade.schemas import StepPlan, StepResult, topics
 from parkade.services.bus.kafka import KafkaBus, wait_for_broker
 from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor.kv_pool import bytes_per_block
@@ -243,6 +243,44 @@ async def count_plans(bootstrap: str, prefix: str) -> list[int]:
     return tokens
 
 
+async def step_timeline(bootstrap: str, prefix: str, first_step: int) -> dict:
+    """Where a pipeline step's time goes, from the record timestamps of step plans and results.
+
+    Per step N (from `first_step` on): the executor waited for plan N when the scheduler produced
+    it after result N-1 (`executor_wait`); `plan_to_result` is plan N produced -> result N produced
+    (transport + queueing behind step N-1 + compute). Millisecond timestamps, one clock (one host).
+    """
+    bus = KafkaBus(bootstrap, client_id="pipeline-bench-timeline")
+    names = {topics.topic_name(t, prefix): t for t in (topics.STEP_PLANS, topics.STEP_RESULTS)}
+    consumer = await bus.consumer(list(names), None)
+    plans: dict[int, int] = {}
+    results: dict[int, int] = {}
+    try:
+        while records := await consumer.getmany(timeout_ms=1000):
+            for r in records:
+                message = topics.decoder(names[r.topic]).decode(r.value)
+                if isinstance(message, StepPlan) and message.num_scheduled_tokens:
+                    plans[message.step_id] = r.timestamp_ms
+                elif isinstance(message, StepResult):
+                    results[message.step_id] = r.timestamp_ms
+    finally:
+        await consumer.stop()
+        await bus.close()
+    steps = sorted(n for n in plans if n >= first_step and n in results)
+    waits = [max(0, plans[n] - results[n - 1]) for n in steps if n - 1 in results]
+    spans = [results[n] - plans[n] for n in steps]
+    intervals = [results[n] - results[n - 1] for n in steps if n - 1 in results]
+    if not steps:
+        return {}
+    return {
+        "steps": len(steps),
+        "step_interval_ms_p50": statistics.median(intervals) if intervals else None,
+        "executor_wait_ms_total": sum(waits),
+        "executor_wait_share": round(sum(waits) / max(1, results[steps[-1]] - results[steps[0]]), 3),
+        "plan_to_result_ms_p50": statistics.median(spans),
+    }
+
+
 async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, dict[str, Trace]]:
     prefix = f"bench-{uuid.uuid4().hex[:8]}."
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="parkade-pipeline-bench-"))
@@ -269,6 +307,7 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
             plans_before = len(await count_plans(bootstrap, prefix))
             ran = await asyncio.wait_for(drive(workload, args.concurrency, one), args.timeout)
         plans = (await count_plans(bootstrap, prefix))[plans_before:]
+        timeline = await step_timeline(bootstrap, prefix, plans_before + 1)
     finally:
         codes = await stop_all(children)
     result = summarize(ran["traces"], ran["elapsed"])
@@ -277,6 +316,7 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
         "steps": len(working),
         "step_plans": len(plans),
         "tokens_per_step": round(statistics.fmean(working), 2),
+        "step_timeline": timeline,
         "startup_s": round(startup_s, 1),
         "service_exit_codes": codes,
         "logs": str(log_dir),

@@ -30,7 +30,11 @@ class NewRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
 
 
 class CachedRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """A request the executor already holds: append `new_block_ids` to its block table."""
+    """A request the executor already holds whose block table grew: append `new_block_ids`.
+
+    Sent only for requests that got new blocks this step (about one decode step in `block_size`):
+    the executor knows every other scheduled request's state, so a decode costs the plan one entry
+    in `num_scheduled_tokens` and nothing here."""
 
     request_id: str
     new_block_ids: tuple[int, ...]

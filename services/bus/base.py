@@ -23,6 +23,7 @@ class Record:
     headers: Headers = ()
     partition: int = 0
     offset: int = 0
+    timestamp_ms: int = -1  # the record's Kafka timestamp (producer or broker time); -1: none
 
     def header(self, name: str) -> bytes | None:
         return next((value for key, value in self.headers if key == name), None)

@@ -39,7 +39,7 @@ class KafkaConsumer:
     async def getmany(self, timeout_ms: int = 100) -> list[Record]:
         batches = await self._consumer.getmany(timeout_ms=timeout_ms)
         return [
-            Record(m.topic, m.value, m.key, tuple(m.headers or ()), m.partition, m.offset)
+            Record(m.topic, m.value, m.key, tuple(m.headers or ()), m.partition, m.offset, m.timestamp)
             for records in batches.values()
             for m in records
         ]

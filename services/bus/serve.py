@@ -59,12 +59,17 @@ async def serve(
     stop: asyncio.Event,
     ready: Callable[[], None] | None = None,
     poll_ms: int = 50,
+    send_each: bool = False,
 ) -> None:
     """Consume the handlers' topics (unprefixed names) until `stop` is set.
 
     Each record is decoded with its topic's typed decoder and passed to its topic's handler.
     `on_bad_record` decides what an undecodable record produces (default: a dead letter).
     `after_batch` runs after each poll, records or not (the scheduler plans steps there).
+    `send_each` sends what each record produced before handling the next one, rather than once per
+    batch: for a slow handler whose output someone waits for (the executor: a poll may bring plans
+    N and N+1, and result N must not wait for step N+1's compute). Offsets are still committed
+    once per batch, after everything was acknowledged.
     """
     decoders = {topics.topic_name(t, prefix): (topics.decoder(t), h) for t, h in handlers.items()}
     consumer = await bus.consumer(list(decoders), group_id)
@@ -93,6 +98,9 @@ async def serve(
                     outgoing += (
                         on_bad_record(record, error) if on_bad_record else [dead_letter(record, error)]
                     )
+                if send_each and outgoing:
+                    await send_all(bus, outgoing, prefix)
+                    outgoing = []
             if after_batch is not None:
                 # First: the scheduler's next step plans must not queue behind token records.
                 outgoing = after_batch() + outgoing

@@ -21,6 +21,20 @@ from parkade.services.executor.sampler import Sampler
 GPU_KV_SHARE = 0.85  # of the device memory left free after loading the weights
 
 
+def cpu_has_native_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` matrices natively (fp32 always; bf16/fp16 need AVX512 or AMX)."""
+    if dtype == torch.float32:
+        return True
+    probe = {
+        torch.bfloat16: "_is_mkldnn_bf16_supported",
+        torch.float16: "_is_mkldnn_fp16_supported",
+    }.get(dtype)
+    try:
+        return bool(getattr(torch.ops.mkldnn, probe)()) if probe else True
+    except (AttributeError, RuntimeError):  # an older torch: assume not, upcasting is always exact
+        return False
+
+
 class Executor:
     def __init__(
         self,
@@ -37,6 +51,8 @@ class Executor:
         self.device = device
         self.attention_backend = get_attention_backend(attention_backend, device)
         self.model = load_model(model_config, device, self.attention_backend)
+        if device.type == "cpu" and not cpu_has_native_matmul(model_config.dtype):
+            self.model.use_fp32_matmuls()
         kv_dtype = model_config.dtype
         if kv_cache_memory_bytes is None:
             if device.type != "cuda":

@@ -54,6 +54,7 @@ async def run(
             stop=stop,
             ready=ready,
             poll_ms=10,
+            send_each=True,  # result N goes out before step N+1 runs
         )
     finally:
         beating.cancel()

@@ -91,6 +91,21 @@ class RotaryEmbedding:
         self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` whose weight may be kept in fp32 while activations stay in the model dtype.
+
+    NOTE: on CPUs without native bf16/fp16 matmuls (AVX2: no AVX512-BF16 or AMX) torch's bf16
+    GEMM runs 5-10x slower than fp32. `DecoderLM.use_fp32_matmuls` upcasts the weights (exactly),
+    and each product casts its input up and its output back, which is what a bf16 GEMM computes
+    anyway (fp32 accumulation, one rounding of the output) up to summation order.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. x [num_tokens, heads, head_dim]; cos/sin [num_tokens, 1, head_dim]."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -104,10 +119,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, d
         )  # fmt: skip
-        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=config.qkv_bias, dtype=dtype)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=config.qkv_bias, dtype=dtype)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=config.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=config.o_proj_bias, dtype=dtype)
+        self.q_proj = Linear(hidden, self.num_heads * d, bias=config.qkv_bias, dtype=dtype)
+        self.k_proj = Linear(hidden, self.num_kv_heads * d, bias=config.qkv_bias, dtype=dtype)
+        self.v_proj = Linear(hidden, self.num_kv_heads * d, bias=config.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.num_heads * d, hidden, bias=config.o_proj_bias, dtype=dtype)
         self.scale = d**-0.5
         self.sliding_window = config.layer_sliding_window(layer)
         self.backend = backend  # a plain attribute: swapped by DecoderLM.set_attention_backend
@@ -141,9 +156,9 @@ class MLP(nn.Module):
             config.mlp_bias,
             config.dtype,
         )
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)
+        self.gate_proj = Linear(hidden, inter, bias=bias, dtype=dtype)
+        self.up_proj = Linear(hidden, inter, bias=bias, dtype=dtype)
+        self.down_proj = Linear(inter, hidden, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -186,9 +201,18 @@ class DecoderLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=config.dtype)
+            else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=config.dtype)
         )
         self.rotary = RotaryEmbedding(config)
+        self.logits_weight: torch.Tensor | None = None  # an fp32 copy of a tied head, when upcast
+
+    def use_fp32_matmuls(self) -> None:
+        """Keep every matmul weight in fp32 (see `Linear`); norms, RoPE and the KV cache keep the dtype."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.float()
+        if self.lm_head is None:
+            self.logits_weight = self.model.embed_tokens.weight.float()
 
     def set_attention_backend(self, backend: AttentionKernels) -> None:
         """Route every layer's attention through `backend` (e.g. a Triton one)."""
@@ -211,8 +235,12 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            weight = self.lm_head.weight
+        else:
+            weight = self.model.embed_tokens.weight if self.logits_weight is None else self.logits_weight
+        # Rounded to the model dtype as a native product would be, so that ties break the same way.
+        return F.linear(hidden.to(weight.dtype), weight).to(hidden.dtype).float()
 
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved

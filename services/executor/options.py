@@ -52,7 +52,10 @@ class ExecutorOptions:
     )
     attention_backend: AttentionBackend = field(
         default=AttentionBackend.AUTO,
-        metadata={"help": "auto: Triton on CUDA, torch on a CPU; triton on a CPU runs interpreted"},
+        metadata={
+            "help": "auto: Triton on CUDA; on a CPU the compiled cpu kernel (torch without a C compiler); "
+            "triton on a CPU runs interpreted"
+        },
     )
     seed: int = field(default=0, metadata={"help": "seed of the sampling of requests without their own seed"})
 

@@ -86,7 +86,18 @@ class KVCacheManager:
         Returns the newly allocated block ids, or None, changing nothing, when the pool is
         short of blocks.
         """
-        table = self.block_tables.get(request.request_id, [])
+        table = self.block_tables.get(request.request_id)
+        if table is not None and not computed_block_ids and not num_reserved_tokens:
+            # The decode fast path: the request's last block usually has room for its next token.
+            end = request.num_computed_tokens + num_new_tokens
+            if end <= len(table) * self.block_size:
+                if self.enable_caching and end // self.block_size > self._num_hashed_blocks.get(
+                    request.request_id, 0
+                ):
+                    self._cache_full_blocks(request, table, end)
+                return []
+        if table is None:
+            table = []
         num_computed = request.num_computed_tokens + len(computed_block_ids) * self.block_size
         num_total = num_computed + num_new_tokens + num_reserved_tokens
         num_needed = max(0, cdiv(num_total, self.block_size) - len(table) - len(computed_block_ids))

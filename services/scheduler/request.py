@@ -50,6 +50,8 @@ class Request:
         self.block_size = block_size
 
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.max_num_tokens = 0  # prompt + max_tokens, capped by the length limit: set by the scheduler
         self.num_computed_tokens = 0
         # Tokens that steps in flight will sample: a decode can be scheduled before the previous
         # token is known, because the executor keeps the tokens it samples.
@@ -64,10 +66,6 @@ class Request:
         self.block_hashes: list[BlockHash] = []
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
@@ -77,14 +75,11 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - len(self.prompt_token_ids)
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids) :]
-
-    def append_output_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
 
     def block_token_ids(self, index: int) -> tuple[int, ...]:
         start = index * self.block_size

@@ -70,6 +70,7 @@ class Scheduler:
             raise ValueError(f"request_id {engine_request.request_id!r} is already in use")
         self.validate(engine_request)
         request = Request(engine_request, self.config.block_size)
+        request.max_num_tokens = self._reservation(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -133,15 +134,21 @@ class Scheduler:
         preempted: list[Request] = []
 
         # 1. Running requests, in admission order.
+        # NOTE: this loop and `update` run once per running request per step: keep them lean.
+        allocate_slots = self.kv.allocate_slots
         for request in list(self.running):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
-            if num_new <= 0 or self._sampled_enough(request):
+            num_known = len(request.all_token_ids) + request.num_output_placeholders
+            # Steps in flight already sample its last token (max_tokens or the length limit).
+            if request.num_output_placeholders and num_known >= request.max_num_tokens:
                 continue
-            while (blocks := self.kv.allocate_slots(request, num_new)) is None:
+            num_new = min(num_known - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while (blocks := allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id)
@@ -172,7 +179,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             reserved = 0
             if self.config.admission is AdmissionMode.RESERVE:
-                reserved = max(0, self._reservation(request) - num_hit - num_new)
+                reserved = max(0, request.max_num_tokens - num_hit - num_new)
             blocks = self.kv.allocate_slots(request, num_new, hit_blocks, reserved)
             if blocks is None:
                 break  # FCFS: nobody overtakes the head of the queue
@@ -209,6 +216,7 @@ class Scheduler:
             )
             for r in admitted
         ]
+        # Only requests whose block table grew: the executor knows the others' state already.
         cached_requests = [
             CachedRequestData(
                 request_id=request_id,
@@ -216,14 +224,16 @@ class Scheduler:
                 num_computed_tokens=self.requests[request_id].num_computed_tokens,
             )
             for request_id, blocks in new_blocks.items()
+            if blocks
         ]
         preempted_ids = [r.request_id for r in preempted if r.request_id in self._in_executor]
         self._in_executor.difference_update(preempted_ids)
         self._in_executor.update(r.request_id for r in admitted)
+        requests = self.requests
         for request_id, num_tokens in scheduled.items():
-            request = self.requests[request_id]
+            request = requests[request_id]
             request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+            if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
         plan = StepPlan(
             step_id=self.step_id,
@@ -237,21 +247,11 @@ class Scheduler:
         return plan
 
     def _reservation(self, request: Request) -> int:
-        """Tokens that `reserve` admission holds slots for: prompt + max_tokens, capped."""
+        """Prompt + max_tokens, capped: where a request stops at the latest (`max_num_tokens`), and
+        the tokens that `reserve` admission holds slots for."""
         max_tokens = request.sampling_params.max_tokens
         wanted = self.max_request_len if max_tokens is None else request.num_prompt_tokens + max_tokens
         return min(wanted, self.max_request_len)
-
-    def _sampled_enough(self, request: Request) -> bool:
-        """Steps in flight will already sample the request's last token (max_tokens or the
-        length limit): scheduling another would be wasted."""
-        if request.num_output_placeholders == 0:
-            return False
-        max_tokens = request.sampling_params.max_tokens
-        num_outputs = request.num_output_tokens + request.num_output_placeholders
-        return (max_tokens is not None and num_outputs >= max_tokens) or (
-            request.num_tokens_with_placeholders >= self.max_request_len
-        )
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy is SchedulingPolicy.PRIORITY:
@@ -278,26 +278,29 @@ class Scheduler:
         """
         outputs: list[GeneratedTokens] = []
         logprobs = result.logprobs or (None,) * len(result.request_ids)
+        requests, running_status, step_id = self.requests, RequestStatus.RUNNING, plan.step_id
+        finished: list[Request] = []
         for request_id, token_id, token_logprobs in zip(
             result.request_ids, result.sampled_token_ids, logprobs, strict=True
         ):
-            request = self.requests.get(request_id)
+            request = requests.get(request_id)
             if (
                 request is None
-                or request.status is not RequestStatus.RUNNING
-                or plan.step_id < request.admitted_step  # sampled before a preemption
+                or request.status is not running_status
+                or step_id < request.admitted_step  # sampled before a preemption
             ):
                 continue
             request.num_output_placeholders -= 1
-            request.append_output_token(token_id)
-            reason, stop_reason = self._check_stop(request, token_id)
+            request.all_token_ids.append(token_id)
+            num_outputs = len(request.all_token_ids) - request.num_prompt_tokens
+            reason, stop_reason = self._check_stop(request, token_id, num_outputs)
             if reason is not None:
-                self.running.remove(request)
+                finished.append(request)
                 self._finish(request, reason, stop_reason)
             outputs.append(
                 GeneratedTokens(
                     request_id=request_id,
-                    index=request.num_output_tokens - 1,
+                    index=num_outputs - 1,
                     token_ids=(token_id,),
                     logprobs=None if token_logprobs is None else (token_logprobs,),
                     finish_reason=reason,
@@ -306,18 +309,20 @@ class Scheduler:
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )
+        if finished:  # one pass, not a list.remove per finished request
+            self.running = [r for r in self.running if r.status is running_status]
         return outputs
 
-    def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
+    def _check_stop(
+        self, request: Request, token_id: int, num_outputs: int
+    ) -> tuple[FinishReason | None, int | None]:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        if num_outputs >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return FinishReason.STOP, None
             if token_id in params.stop_token_ids:
                 return FinishReason.STOP, token_id
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return FinishReason.LENGTH, None
-        if request.num_tokens >= self.max_request_len:
+        if request.num_prompt_tokens + num_outputs >= request.max_num_tokens:  # max_tokens, or too long
             return FinishReason.LENGTH, None
         return None, None
 

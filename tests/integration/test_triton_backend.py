@@ -50,10 +50,10 @@ def test_llm_on_triton_matches_transformers_with_preemption_and_a_prefix_hit():
     assert [done[str(i)] for i in range(3)] == hf_greedy(STORIES, prompts, 24)
 
 
-def test_auto_backend_is_torch_on_a_cpu_and_unknown_names_fail():
+def test_auto_backend_is_the_cpu_kernel_on_a_cpu_and_unknown_names_fail():
     if torch.cuda.is_available():
         pytest.skip("auto picks Triton on CUDA")
     llm = LLM(STORIES, max_model_len=64)
-    assert llm.engine.core.executor.attention_backend.__name__ == "parkade.kernels.attention_torch"
+    assert llm.engine.core.executor.attention_backend.__name__ == "parkade.kernels.attention_cpu"
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         LLM(STORIES, attention_backend="flash")

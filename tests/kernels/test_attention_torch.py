@@ -1,4 +1,4 @@
-"""The pure-torch paged attention against a dense reference that knows nothing about blocks.
+"""The pure-torch and the CPU paged attention against a dense reference that knows nothing about blocks.
 
 Each case builds contiguous K/V per sequence, scatters them into randomly permuted physical blocks
 (sequences may share their first blocks, as with prefix caching), and checks that paged attention
@@ -15,7 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parkade.kernels.attention_torch import paged_attention_varlen, write_kv_cache
+from parkade.kernels import attention_cpu, attention_torch
+from parkade.kernels.attention_torch import write_kv_cache
+
+# Both CPU backends: the compiled decode kernel must agree with the same reference as torch.
+BACKENDS = {"torch": attention_torch, "cpu": attention_cpu}
+with_backends = pytest.mark.parametrize("backend", list(BACKENDS))
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -96,9 +101,11 @@ def dense_reference(case: Case, scale: float, sliding_window: int | None) -> tor
     return torch.cat(outs)
 
 
-def run_paged(case: Case, scale: float, sliding_window: int | None, host_lens: bool = True) -> torch.Tensor:
+def run_paged(
+    case: Case, scale: float, sliding_window: int | None, host_lens: bool = True, backend: str = "torch"
+) -> torch.Tensor:
     cu = torch.tensor([0, *torch.tensor(case.query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return paged_attention_varlen(
+    return BACKENDS[backend].paged_attention_varlen(
         case.q,
         case.k_cache,
         case.v_cache,
@@ -114,9 +121,9 @@ def run_paged(case: Case, scale: float, sliding_window: int | None, host_lens: b
     )
 
 
-def check(case: Case, sliding_window: int | None = None, host_lens: bool = True) -> None:
+def check(case: Case, backend: str, sliding_window: int | None = None, host_lens: bool = True) -> None:
     scale = case.q.shape[-1] ** -0.5
-    out = run_paged(case, scale, sliding_window, host_lens)
+    out = run_paged(case, scale, sliding_window, host_lens, backend)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     ref = dense_reference(case, scale, sliding_window)
     tol = TOLERANCE[case.q.dtype]
@@ -134,47 +141,52 @@ BATCHES = [
 
 @pytest.mark.parametrize(("seq_lens", "query_lens"), BATCHES)
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2), (8, 1)])
-def test_matches_dense_reference(seq_lens, query_lens, num_q_heads, num_kv_heads):
+@with_backends
+def test_matches_dense_reference(seq_lens, query_lens, num_q_heads, num_kv_heads, backend):
     case = make_case(
         seq_lens, query_lens, block_size=4, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=8, dtype=torch.float32,
     )  # fmt: skip
-    check(case)
+    check(case, backend)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [8, 128])
-def test_dtypes_and_head_sizes(dtype, head_dim):
+@with_backends
+def test_dtypes_and_head_sizes(dtype, head_dim, backend):
     case = make_case(
         [19, 6, 35], [1, 6, 9], block_size=16, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, dtype=dtype
     )
-    check(case)
+    check(case, backend)
 
 
 @pytest.mark.parametrize(("seq_lens", "query_lens"), BATCHES)
 @pytest.mark.parametrize("window", [1, 3, 8])
-def test_sliding_window(seq_lens, query_lens, window):
+@with_backends
+def test_sliding_window(seq_lens, query_lens, window, backend):
     case = make_case(
         seq_lens, query_lens, block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=8, dtype=torch.float32
     )
-    check(case, sliding_window=window)
+    check(case, backend, sliding_window=window)
 
 
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [6, 1, 2]])
-def test_shared_prefix_blocks(query_lens):
+@with_backends
+def test_shared_prefix_blocks(query_lens, backend):
     case = make_case(
         [18, 21, 13], query_lens, block_size=4, num_q_heads=4, num_kv_heads=2, head_dim=8,
         dtype=torch.float32, shared_blocks=3,
     )  # fmt: skip
     assert case.block_table[1, :3].tolist() == case.block_table[0, :3].tolist()
-    check(case)
+    check(case, backend)
 
 
-def test_without_host_lengths():
+@with_backends
+def test_without_host_lengths(backend):
     case = make_case(
         [5, 17, 9], [5, 1, 4], block_size=4, num_q_heads=4, num_kv_heads=1, head_dim=8, dtype=torch.float32
     )
-    check(case, host_lens=False)
+    check(case, backend, host_lens=False)
 
 
 def test_write_kv_cache_skips_negative_slots():
@@ -218,9 +230,10 @@ def batches(draw):
     ), draw(st.one_of(st.none(), st.integers(1, 12)))
 
 
+@with_backends
 @settings(max_examples=40, deadline=None)
 @given(batches())
-def test_property_matches_dense_reference(params):
+def test_property_matches_dense_reference(backend, params):
     kwargs, window = params
     case = make_case(head_dim=8, dtype=torch.float32, **kwargs)
-    check(case, sliding_window=window)
+    check(case, backend, sliding_window=window)

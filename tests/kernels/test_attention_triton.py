@@ -194,7 +194,7 @@ def test_dtypes_and_head_sizes(device, dtype, head_dim):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])  # 64, 128: one block id per key tile
 def test_block_sizes(device, block_size):
     batch = make_batch([(45, 1), (3, 20), (139, 1)], block_size=block_size, device=device)
     check(batch)
@@ -270,6 +270,12 @@ def test_split_k_with_empty_splits(device):
 def test_split_k_with_sliding_window(device):
     """The window leaves the early splits of each sequence without any key in reach."""
     check(make_batch(SPLIT_SEQS, block_size=16, device=device), sliding_window=40, num_splits=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tile_in_block_with_window_and_splits(device):
+    """block_size 128: one block id per key tile, windowed, split over the key range."""
+    check(make_batch(SPLIT_SEQS, block_size=128, device=device), sliding_window=40, num_splits=3)
 
 
 @pytest.mark.parametrize("device", DEVICES)

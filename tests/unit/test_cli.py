@@ -52,7 +52,7 @@ def test_every_help_shows_defaults_and_choices(command, capsys):
         assert "0: greedy (default: 1.0)" in text and "most tokens to generate (default: 64)" in text
     if command != "generate":
         assert "{auto,float32,float,bfloat16,float16,half}" in text
-        assert "--device {auto,cpu,cuda}" in text and "--attention-backend {auto,triton,torch}" in text
+        assert "--device {auto,cpu,cuda}" in text and "--attention-backend {auto,triton,cpu,torch}" in text
         assert (
             "--scheduling-policy {fcfs,priority}" in text
             and "(default: stories260K, shipped with Parkade)" in text

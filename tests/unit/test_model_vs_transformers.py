@@ -16,6 +16,7 @@ from tiny_models import EOS_TOKEN_IDS, make_tiny_model
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
+from parkade.kernels import attention_cpu, attention_torch
 from parkade.kernels.metadata import AttentionMetadata
 from parkade.models import DEFAULT_MODEL as STORIES
 from parkade.services.common.model_config import ModelConfig
@@ -82,10 +83,10 @@ def hf_logits(path: Path, token_ids: list[int]) -> torch.Tensor:
 
 
 def check_prefill_then_decode(
-    path: Path, prompt_len: int = 20, decode_steps: int = 4, chunk: int = 0
+    path: Path, prompt_len: int = 20, decode_steps: int = 4, chunk: int = 0, backend=attention_torch
 ) -> None:
     """Prefill (in chunks of `chunk` tokens if > 0), then decode one token at a time."""
-    model = load_model(ModelConfig.from_pretrained(path), torch.device("cpu"))
+    model = load_model(ModelConfig.from_pretrained(path), torch.device("cpu"), backend)
     vocab = model.config.vocab_size
     tokens = torch.randint(4, vocab, (prompt_len + decode_steps,), generator=torch.Generator().manual_seed(1))
     tokens = tokens.tolist()
@@ -126,10 +127,11 @@ MODEL_CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", [attention_torch, attention_cpu], ids=["torch", "cpu"])
 @pytest.mark.parametrize("case", MODEL_CASES)
-def test_prefill_and_decode_match_transformers(tmp_path, case):
+def test_prefill_and_decode_match_transformers(tmp_path, case, backend):
     family, overrides = MODEL_CASES[case]
-    check_prefill_then_decode(make_tiny_model(tmp_path, family, **overrides))
+    check_prefill_then_decode(make_tiny_model(tmp_path, family, **overrides), backend=backend)
 
 
 def test_chunked_prefill_matches_transformers(tmp_path):
@@ -194,6 +196,27 @@ def test_bfloat16_load_is_close_to_float32(tmp_path):
     assert low.dtype == torch.float32
     assert (ref - low).abs().max() < 0.25 * ref.abs().max()
     assert (ref.argmax(-1) == low.argmax(-1)).float().mean() >= 0.8
+
+
+def test_fp32_matmuls_compute_what_bf16_matmuls_do(tmp_path):
+    """The upcast weights of a CPU without bf16 GEMMs: the same bf16 model, the same logits up to the
+    summation order of the products, while norms, RoPE and the KV cache stay bf16."""
+    path = make_tiny_model(tmp_path, "llama", tie_word_embeddings=True)
+    config = ModelConfig.from_pretrained(path, dtype="bfloat16")
+    native, upcast = load_model(config, "cpu"), load_model(config, "cpu")
+    upcast.use_fp32_matmuls()
+    attn = upcast.model.layers[0].self_attn
+    assert attn.q_proj.weight.dtype == torch.float32 and upcast.logits_weight.dtype == torch.float32
+    assert upcast.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(attn.q_proj.weight.bfloat16(), native.model.layers[0].self_attn.q_proj.weight)
+    blocks = scattered_blocks(4)
+    tokens = list(range(5, 17))
+    runners = PagedRunner(native), PagedRunner(upcast)
+    assert runners[1].kv_caches[0][0].dtype == torch.bfloat16
+    for first, chunk in ((0, tokens[:10]), (10, tokens[10:11]), (11, tokens[11:])):
+        a, b = (r.step([(blocks, first, chunk)]) for r in runners)
+        assert (a - b).abs().max() <= 0.02 * a.abs().max()
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -40,13 +40,14 @@ def test_prefill_then_decode_with_exact_blocks():
     s.update(plan, sample(plan, {"a": 10}))
     plan = s.schedule()
     assert plan.num_scheduled_tokens == {"a": 1}
-    assert plan.cached_requests[0].new_block_ids == () and plan.cached_requests[0].num_computed_tokens == 6
+    assert plan.cached_requests == ()  # no new block: nothing the executor does not know
     s.update(plan, sample(plan, {"a": 11}))
     plan = s.schedule()
-    assert plan.cached_requests[0].new_block_ids == ()  # position 7 is the last slot of block 1
+    assert plan.cached_requests == ()  # position 7 is the last slot of block 1
     s.update(plan, sample(plan, {"a": 12}))
     plan = s.schedule()
-    assert plan.cached_requests[0].new_block_ids == (2,)  # position 8 needs a third block
+    (cached,) = plan.cached_requests
+    assert cached.new_block_ids == (2,) and cached.num_computed_tokens == 8  # position 8: a third block
     s.check_integrity()
 
 
