@@ -96,7 +96,10 @@ def _library() -> ctypes.CDLL:
         os.close(fd)
         try:
             command = [compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"]
-            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            try:
+                result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.SubprocessError) as error:  # e.g. the 300 s timeout
+                raise KernelBuildError(f"building {SOURCE.name} failed: {error}") from error
             if result.returncode:
                 raise KernelBuildError(f"building {SOURCE.name} failed:\n{result.stderr.strip()}")
             os.replace(tmp, target)
@@ -132,17 +135,14 @@ def available() -> bool:
 
 
 _pool_lock = threading.Lock()
-_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pools: dict[int, ThreadPoolExecutor] = {}  # by size; never shut down while a caller may hold one
 
 
 def _thread_pool(size: int) -> ThreadPoolExecutor:
-    global _pool
     with _pool_lock:
-        if _pool is None or _pool[0] != size:
-            if _pool is not None:
-                _pool[1].shutdown(wait=False)
-            _pool = (size, ThreadPoolExecutor(size, thread_name_prefix="parkade-attn"))
-        return _pool[1]
+        if size not in _pools:
+            _pools[size] = ThreadPoolExecutor(size, thread_name_prefix="parkade-attn")
+        return _pools[size]
 
 
 def _split_by_cost(costs: np.ndarray, parts: int) -> list[tuple[int, int]]:

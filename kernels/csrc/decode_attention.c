@@ -50,7 +50,8 @@ static inline void load(const void *cache, int dtype, int64_t offset, int n, flo
 static inline float exp_nonpositive(float x) {
     const float clamped = x < -87.0f ? -87.0f : x;
     const float n = __builtin_roundf(clamped * 1.44269504088896341f);
-    const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+    /* Two-constant ln 2 (Cody-Waite) with explicit fmaf: -fassociative-math must not fold them. */
+    const float r = fmaf(n, 2.12194440e-4f, fmaf(n, -0.693359375f, clamped));
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;

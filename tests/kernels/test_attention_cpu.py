@@ -8,6 +8,7 @@ the torch decode path (itself checked against the dense reference) is the expect
 from __future__ import annotations
 
 import itertools
+import subprocess
 
 import pytest
 import torch
@@ -85,5 +86,24 @@ def test_a_missing_compiler_is_reported(monkeypatch):
     try:
         with pytest.raises(ValueError, match="no C compiler"):
             get_attention_backend("cpu", torch.device("cpu"))
+    finally:
+        attention_cpu._library.cache_clear()
+
+
+def test_a_compiler_that_hangs_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("PARKADE_HOME", str(tmp_path))  # no cached build: the compiler must run
+    real_run = subprocess.run
+
+    def hanging_compile(command, **kwargs):
+        if "-shared" in command:
+            raise subprocess.TimeoutExpired(command, kwargs.get("timeout"))
+        return real_run(command, **kwargs)
+
+    monkeypatch.setattr(attention_cpu.subprocess, "run", hanging_compile)
+    attention_cpu._library.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="timed out"):
+            attention_cpu.build()
+        assert not list((tmp_path / "kernels").glob("*.so"))  # no half-built library left behind
     finally:
         attention_cpu._library.cache_clear()
