@@ -194,7 +194,8 @@ def decode_attention(
             num_q_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0, heads_per_item,
             begin, end,
         )  # fmt: skip
-        assert rc == 0, "decode_attention rejected its shapes"
+        if rc:  # the checks above make this unreachable; never run with unchecked buffers
+            raise RuntimeError("decode_attention rejected its shapes")
 
     items_per_seq = num_kv_heads // heads_per_item
     num_items = num_decodes * items_per_seq
