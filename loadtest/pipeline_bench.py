@@ -228,50 +228,43 @@ async def start_services(
     return bootstrap
 
 
-async def count_plans(bootstrap: str, prefix: str) -> list[int]:
-    """Tokens scheduled by each step plan on the topic so far (read from its start)."""
+async def read_steps(bootstrap: str, prefix: str) -> tuple[list[tuple[StepPlan, int]], dict[int, int]]:
+    """Every step plan on the topic so far with its record timestamp, in order, and each step
+    result's timestamp by step id (both topics read from their start)."""
     bus = KafkaBus(bootstrap, client_id="pipeline-bench")
-    consumer = await bus.consumer([topics.topic_name(topics.STEP_PLANS, prefix)], None)
-    decoder = topics.decoder(topics.STEP_PLANS)
-    tokens: list[int] = []
-    try:
-        while records := await consumer.getmany(timeout_ms=1000):
-            tokens += [decoder.decode(r.value).total_num_scheduled_tokens for r in records]
-    finally:
-        await consumer.stop()
-        await bus.close()
-    return tokens
-
-
-async def step_timeline(bootstrap: str, prefix: str, first_step: int) -> dict:
-    """Where a pipeline step's time goes, from the record timestamps of step plans and results.
-
-    Per step N (from `first_step` on): the executor waited for plan N when the scheduler produced
-    it after result N-1 (`executor_wait`); `plan_to_result` is plan N produced -> result N produced
-    (transport + queueing behind step N-1 + compute). Millisecond timestamps, one clock (one host).
-    """
-    bus = KafkaBus(bootstrap, client_id="pipeline-bench-timeline")
-    names = {topics.topic_name(t, prefix): t for t in (topics.STEP_PLANS, topics.STEP_RESULTS)}
-    consumer = await bus.consumer(list(names), None)
-    plans: dict[int, int] = {}
+    step_topics = (topics.STEP_PLANS, topics.STEP_RESULTS)
+    decoders = {topics.topic_name(topic, prefix): topics.decoder(topic) for topic in step_topics}
+    consumer = await bus.consumer(list(decoders), None)
+    plans: list[tuple[StepPlan, int]] = []
     results: dict[int, int] = {}
     try:
         while records := await consumer.getmany(timeout_ms=1000):
             for r in records:
-                message = topics.decoder(names[r.topic]).decode(r.value)
-                if isinstance(message, StepPlan) and message.num_scheduled_tokens:
-                    plans[message.step_id] = r.timestamp_ms
+                message = decoders[r.topic].decode(r.value)
+                if isinstance(message, StepPlan):
+                    plans.append((message, r.timestamp_ms))
                 elif isinstance(message, StepResult):
                     results[message.step_id] = r.timestamp_ms
     finally:
         await consumer.stop()
         await bus.close()
-    steps = sorted(n for n in plans if n >= first_step and n in results)
-    waits = [max(0, plans[n] - results[n - 1]) for n in steps if n - 1 in results]
-    spans = [results[n] - plans[n] for n in steps]
-    intervals = [results[n] - results[n - 1] for n in steps if n - 1 in results]
+    return plans, results
+
+
+def step_timeline(plans: list[tuple[StepPlan, int]], results: dict[int, int]) -> dict:
+    """Where a pipeline step's time goes, from the record timestamps of step plans and results.
+
+    Per working step N: the executor waited for plan N when the scheduler produced it after result
+    N-1 (`executor_wait`); `plan_to_result` is plan N produced -> result N produced (transport +
+    queueing behind step N-1 + compute). Millisecond timestamps, one clock (one host).
+    """
+    produced = {plan.step_id: ts for plan, ts in plans if plan.num_scheduled_tokens}
+    steps = sorted(n for n in produced if n in results)
     if not steps:
         return {}
+    waits = [max(0, produced[n] - results[n - 1]) for n in steps if n - 1 in results]
+    spans = [results[n] - produced[n] for n in steps]
+    intervals = [results[n] - results[n - 1] for n in steps if n - 1 in results]
     return {
         "steps": len(steps),
         "step_interval_ms_p50": statistics.median(intervals) if intervals else None,
@@ -304,10 +297,11 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
                     trace.add(time.perf_counter(), list(event.token_ids))
 
             await one("warmup", "Hello", SamplingParams(temperature=0.0, max_tokens=8), Trace(True))
-            plans_before = len(await count_plans(bootstrap, prefix))
+            plans_before = len((await read_steps(bootstrap, prefix))[0])
             ran = await asyncio.wait_for(drive(workload, args.concurrency, one), args.timeout)
-        plans = (await count_plans(bootstrap, prefix))[plans_before:]
-        timeline = await step_timeline(bootstrap, prefix, plans_before + 1)
+        all_plans, results = await read_steps(bootstrap, prefix)
+        plans = [p.total_num_scheduled_tokens for p, _ in all_plans[plans_before:]]
+        timeline = step_timeline(all_plans[plans_before:], results)
     finally:
         codes = await stop_all(children)
     result = summarize(ran["traces"], ran["elapsed"])
