@@ -15,6 +15,7 @@ head dims above 256 take the torch decode path.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import itertools
 import logging
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from parkade.kernels import attention_torch
-from parkade.kernels.attention_torch import split_prefill_decode, write_kv_cache
+from parkade.kernels.attention_torch import write_kv_cache
 
 __all__ = ["available", "build", "decode_attention", "paged_attention_varlen", "write_kv_cache"]
 
@@ -209,25 +210,5 @@ def decode_attention(
     return out.to(q.dtype)
 
 
-def paged_attention_varlen(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    *,
-    cu_seqlens_q: torch.Tensor,
-    max_seqlen_q: int,
-    seqused_k: torch.Tensor,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    block_table: torch.Tensor,
-    sliding_window: int | None = None,
-    query_lens: tuple[int, ...] = (),
-    seq_lens: tuple[int, ...] = (),
-) -> torch.Tensor:
-    """Same contract as `attention_torch.paged_attention_varlen`."""
-    del max_seqlen_q, max_seqlen_k
-    return split_prefill_decode(
-        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, softmax_scale=softmax_scale,
-        block_table=block_table, sliding_window=sliding_window, query_lens=query_lens, seq_lens=seq_lens,
-        decode=decode_attention,
-    )  # fmt: skip
+# The torch backend's batch splitting, with the decode rows on the compiled kernel.
+paged_attention_varlen = functools.partial(attention_torch.paged_attention_varlen, decode=decode_attention)

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-__all__ = ["decode_batch", "paged_attention_varlen", "split_prefill_decode", "write_kv_cache"]
+__all__ = ["decode_batch", "paged_attention_varlen", "write_kv_cache"]
 
 
 def write_kv_cache(
@@ -42,6 +42,15 @@ def write_kv_cache(
     v_flat[slots] = value[keep].to(v_cache.dtype)
 
 
+class DecodeFn(Protocol):
+    """Attention of one query per request; `q` [num_decodes, num_q_heads, head_dim] -> same, q's dtype."""
+
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+        seq_lens: list[int], scale: float, sliding_window: int | None,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+
 def paged_attention_varlen(
     q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -56,6 +65,7 @@ def paged_attention_varlen(
     sliding_window: int | None = None,
     query_lens: tuple[int, ...] = (),
     seq_lens: tuple[int, ...] = (),
+    decode: DecodeFn | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its paged context.
 
@@ -63,40 +73,12 @@ def paged_attention_varlen(
     KV head `h // (num_q_heads // num_kv_heads)` (transformers' `repeat_kv`). `query_lens` and
     `seq_lens` are host copies of the two length vectors; when given, no device sync happens to
     read them. `max_seqlen_q`/`max_seqlen_k` are accepted for signature parity and not needed.
+    Prefill chunks run one by one through SDPA, every decode row in one `decode` call (default
+    `decode_batch`; the CPU backend passes its compiled kernel).
     Returns `[num_tokens, num_q_heads, head_dim]` in q's dtype.
     """
     del max_seqlen_q, max_seqlen_k
-    return split_prefill_decode(
-        q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, softmax_scale=softmax_scale,
-        block_table=block_table, sliding_window=sliding_window, query_lens=query_lens, seq_lens=seq_lens,
-        decode=decode_batch,
-    )  # fmt: skip
-
-
-class DecodeFn(Protocol):
-    """Attention of one query per request; `q` [num_decodes, num_q_heads, head_dim] -> same, q's dtype."""
-
-    def __call__(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-        seq_lens: list[int], scale: float, sliding_window: int | None,
-    ) -> torch.Tensor: ...  # fmt: skip
-
-
-def split_prefill_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    *,
-    cu_seqlens_q: torch.Tensor,
-    seqused_k: torch.Tensor,
-    softmax_scale: float,
-    block_table: torch.Tensor,
-    sliding_window: int | None,
-    query_lens: tuple[int, ...],
-    seq_lens: tuple[int, ...],
-    decode: DecodeFn,
-) -> torch.Tensor:
-    """Prefill chunks one by one through SDPA, every decode row in one `decode` call."""
+    decode = decode or decode_batch
     if not query_lens:
         query_lens = tuple((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist())
     if not seq_lens:
