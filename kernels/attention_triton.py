@@ -21,6 +21,7 @@ max and sum, and a second kernel combines them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -266,6 +267,34 @@ def write_kv_cache(
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and the launch's warps and software-pipeline stages for one kernel call."""
+
+    block_q: int  # query tokens per program (times the group's heads = rows of the tile)
+    block_n: int  # key positions per tile
+    num_warps: int
+    num_stages: int
+
+
+def choose_launch(head_dim: int, group_pad: int, max_seqlen_q: int) -> LaunchConfig:
+    """The launch for a head size, following FlashAttention's Triton heuristics.
+
+    NOTE: not yet tuned on a GPU (`loadtest/kernel_bench.py --launch-sweep` measures the others).
+    tl.dot wants >= 16 rows: decodes fill them with the group's heads, prefills with tokens. A
+    decode tile streams K/V (bandwidth-bound): 4 warps and 3 stages keep loads in flight; wider heads
+    halve the key tile and the stages so that a stage's K and V still fit in shared memory. A
+    prefill tile is compute-bound: more warps for wider heads.
+    """
+    decode = max_seqlen_q == 1
+    block_q = max(1, 16 // group_pad) if decode else max(1, 64 // group_pad)
+    if head_dim <= 64:
+        return LaunchConfig(block_q, 64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return LaunchConfig(block_q, 64, num_warps=4 if decode else 8, num_stages=3 if decode else 2)
+    return LaunchConfig(block_q, 32, num_warps=4 if decode else 8, num_stages=2)
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int) -> int:
     """Flash-decoding splits: only for pure decode batches whose (request, KV head) programs
     would leave most of the GPU idle, and only when each split still gets >= 256 keys."""
@@ -293,10 +322,12 @@ def paged_attention_varlen(
     query_lens: tuple[int, ...] = (),
     seq_lens: tuple[int, ...] = (),
     num_splits: int | None = None,
+    launch: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Attention of a varlen query batch over the paged pool; shaped like FlashAttention's varlen
     function (see kernels/metadata.py for the arguments). `num_splits` None lets the launcher
-    choose; more than 1 applies to pure decode batches only. Returns [num_tokens, Hq, head_dim]."""
+    choose; more than 1 applies to pure decode batches only. `launch` None: `choose_launch`.
+    Returns [num_tokens, Hq, head_dim]."""
     del query_lens, seq_lens  # the kernel reads lengths on the device
     _check(q.dtype in _DTYPES, f"q dtype must be one of {_DTYPES}, got {q.dtype}")
     _check(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q, k_cache and v_cache must share a dtype")
@@ -326,9 +357,8 @@ def paged_attention_varlen(
 
     group = num_q_heads // num_kv_heads
     group_pad = _pow2(group)
-    # tl.dot wants >= 16 rows: decodes fill them with the group's heads, prefills with tokens.
-    block_q = max(1, 16 // group_pad) if max_seqlen_q == 1 else max(1, 64 // group_pad)
-    block_n = 64 if head_dim <= 128 else 32
+    launch = launch or choose_launch(head_dim, group_pad, max_seqlen_q)
+    block_q, block_n = launch.block_q, launch.block_n
     head_pad = max(16, _pow2(head_dim))
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_q, max_seqlen_k)
@@ -353,7 +383,7 @@ def paged_attention_varlen(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits, TILE_IN_BLOCK=block_size % block_n == 0,
         USE_WINDOW=sliding_window is not None, IEEE_FP32=q.dtype == torch.float32,
-        UPCAST=q.device.type == "cpu",
+        UPCAST=q.device.type == "cpu", num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](

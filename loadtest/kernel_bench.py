@@ -1,7 +1,7 @@
 """Decode attention bandwidth: the Triton paged kernel against the GPU's peak and torch SDPA.
 
     python loadtest/kernel_bench.py [--batch-sizes 1,4,16,64,256] [--contexts 512,2048,8192,32768]
-                                    [--peak-gbps GBPS] [--dry-run]
+                                    [--peak-gbps GBPS] [--dry-run] [--launch-sweep]
 
 A decode step reads every cached key and value once and does little arithmetic with them, so its
 speed is memory bandwidth: achieved GB/s = K/V bytes read / kernel time. Each case is `batch`
@@ -11,6 +11,9 @@ K/V contiguous, `[batch, kv_heads, context, head_dim]`: what a dense kernel reac
 Before timing, one case per context length is checked against SDPA (max abs error). Cases whose
 K/V do not fit in free memory are reported as skipped. Prints one JSON document.
 
+--launch-sweep instead times the kernel under every num_warps x num_stages x key-tile launch for
+head sizes 64, 128 and 256, next to the launch `choose_launch` picks (what tunes that choice).
+
 --dry-run runs the same flow on the CPU through the Triton interpreter with a tiny shape and a
 time.perf_counter timer: a smoke test of the script, its timings mean nothing.
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import itertools
 import json
 import math
 import os
@@ -246,17 +251,20 @@ def run_case(
     timer: Callable[[Callable[[], object]], float],
     attention: ModuleType,
     check: bool,
+    launches: Iterable[object] = (),
 ) -> dict:
     """Time one case (its inputs live only in here): `triton_s`, `sdpa_s` (None if SDPA ran out of
-    memory) and `max_abs_err` (None unless `check`) for `case_record`."""
+    memory) and `max_abs_err` (None unless `check`) for `case_record`. With `launches` (the
+    kernel's `LaunchConfig`s), `sweep` instead: each launch's time and error."""
     x = build_inputs(case, shape, device)
     scale = shape.head_dim**-0.5
 
-    def triton_fn() -> torch.Tensor:
+    def triton_fn(**launch: object) -> torch.Tensor:
         return attention.paged_attention_varlen(
             x["q"], x["k_cache"], x["v_cache"], cu_seqlens_q=x["cu_seqlens_q"], max_seqlen_q=1,
             seqused_k=x["seqused_k"], max_seqlen_k=case.context, softmax_scale=scale,
             block_table=x["block_table"], query_lens=(1,) * case.batch, seq_lens=(case.context,) * case.batch,
+            **launch,
         )  # fmt: skip
 
     q_dense = x["q"].unsqueeze(2)  # [batch, num_q_heads, 1, head_dim]
@@ -266,6 +274,14 @@ def run_case(
             q_dense, x["k_dense"], x["v_dense"], scale=scale, enable_gqa=True
         )
 
+    if launches:
+        expected = triton_fn().float()
+        sweep = []
+        for launch in launches:
+            err = (triton_fn(launch=launch).float() - expected).abs().max().item()
+            seconds = timer(lambda launch=launch: triton_fn(launch=launch))
+            sweep.append({**dataclasses.asdict(launch), "ms": _sig(seconds * 1e3), "max_abs_diff": err})
+        return {"sweep": sweep, "default_ms": _sig(timer(triton_fn) * 1e3)}
     result: dict = {"max_abs_err": None, "sdpa_s": None}
     if check:
         expected = sdpa_fn().squeeze(2).float()
@@ -309,6 +325,51 @@ def bench(args: argparse.Namespace) -> dict:
     )
 
 
+# Launch sweep (--launch-sweep): decode attention of these head sizes (query / KV heads as in models
+# that use them), on a few cases, over every listed warps x stages x key tile.
+SWEEP_SHAPES = (
+    Shape(num_q_heads=32, num_kv_heads=8, head_dim=64, block_size=16, dtype=torch.bfloat16),
+    LLAMA_8B,
+    Shape(num_q_heads=16, num_kv_heads=8, head_dim=256, block_size=16, dtype=torch.bfloat16),
+)
+SWEEP_CASES = (Case(64, 2048), Case(8, 32768))
+SWEEP_WARPS, SWEEP_STAGES = (2, 4, 8), (1, 2, 3, 4)
+
+
+def sweep(args: argparse.Namespace) -> dict:
+    """Time every launch configuration per head size against the launcher's own choice."""
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    from parkade.kernels import attention_triton
+
+    timer = cpu_timer if args.dry_run else cuda_timer
+    shapes = (TINY,) if args.dry_run else SWEEP_SHAPES
+    cases = (Case(2, 64),) if args.dry_run else SWEEP_CASES
+    warps, stages = ((4,), (1, 2)) if args.dry_run else (SWEEP_WARPS, SWEEP_STAGES)
+    rows = []
+    for shape in shapes:
+        group_pad = 1 << (shape.num_q_heads // shape.num_kv_heads - 1).bit_length()
+        chosen = attention_triton.choose_launch(shape.head_dim, group_pad, 1)
+        tiles = sorted({chosen.block_n, max(16, chosen.block_n // 2)})
+        launches = [
+            attention_triton.LaunchConfig(chosen.block_q, n, num_warps=w, num_stages=st)
+            for n, w, st in itertools.product(tiles, warps, stages)
+        ]
+        for case in cases:
+            if not fits(required_bytes(case, shape), free_memory_bytes(device)):
+                continue
+            m = run_case(case, shape, device, timer, attention_triton, check=False, launches=launches)
+            best = min(m["sweep"], key=lambda r: r["ms"])
+            rows.append({
+                "shape": shape.as_dict(), "batch": case.batch, "context": case.context,
+                "chosen": dataclasses.asdict(chosen), "chosen_ms": m["default_ms"], "best": best,
+                "chosen_over_best": _sig(m["default_ms"] / best["ms"]), "all": m["sweep"],
+            })  # fmt: skip
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    name = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(device)
+    return {"benchmark": "triton_launch_sweep", "device": name, "dry_run": args.dry_run, "results": rows}
+
+
 def parse_ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
@@ -320,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-gbps", type=float, default=None, help="default: by device name")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dry-run", action="store_true", help="tiny shape on the CPU (Triton interpreter)")
+    parser.add_argument(
+        "--launch-sweep", action="store_true", help="time each warps/stages/tile launch per head size"
+    )
     args = parser.parse_args(argv)
     if args.dry_run:
         # NOTE: CPU tensors need the interpreter even where CUDA exists; it is read when triton is
@@ -332,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         args.batch_sizes = DRY_RUN_BATCH_SIZES if args.dry_run else BATCH_SIZES
     if args.contexts is None:
         args.contexts = DRY_RUN_CONTEXTS if args.dry_run else CONTEXTS
-    print(json.dumps(bench(args), indent=2))
+    print(json.dumps(sweep(args) if args.launch_sweep else bench(args), indent=2))
     return 0
 
 

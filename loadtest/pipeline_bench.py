@@ -128,7 +128,7 @@ def itl_by_quarter(traces: dict[str, Trace]) -> list[float]:
 
 async def drive(workload: dict[str, tuple[str, SamplingParams]], concurrency: int, one) -> dict:
     """Run `one(request_id, prompt, params, trace)` for every request, at most `concurrency` at once;
-    -> traces and the wall time."""
+    -> traces, the wall time and this process's CPU time."""
     traces = {rid: Trace(params.greedy) for rid, (_, params) in workload.items()}
     slots = asyncio.Semaphore(concurrency)
 
@@ -138,9 +138,10 @@ async def drive(workload: dict[str, tuple[str, SamplingParams]], concurrency: in
             traces[rid].submit = time.perf_counter()
             await one(rid, prompt, params, traces[rid])
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(run(rid) for rid in workload))
-    return {"traces": traces, "elapsed": time.perf_counter() - start}
+    elapsed = time.perf_counter() - start
+    return {"traces": traces, "elapsed": elapsed, "client_cpu_s": time.process_time() - cpu}
 
 
 # --- in-process ---------------------------------------------------------------------------------
@@ -298,7 +299,9 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
 
             await one("warmup", "Hello", SamplingParams(temperature=0.0, max_tokens=8), Trace(True))
             plans_before = len((await read_steps(bootstrap, prefix))[0])
+            cpu_before = {c.name: cpu_seconds(c.proc.pid) for c in children}
             ran = await asyncio.wait_for(drive(workload, args.concurrency, one), args.timeout)
+            cpu = {c.name: round(cpu_seconds(c.proc.pid) - cpu_before[c.name], 2) for c in children}
         all_plans, results = await read_steps(bootstrap, prefix)
         plans = [p.total_num_scheduled_tokens for p, _ in all_plans[plans_before:]]
         timeline = step_timeline(all_plans[plans_before:], results)
@@ -311,11 +314,19 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
         "step_plans": len(plans),
         "tokens_per_step": round(statistics.fmean(working), 2),
         "step_timeline": timeline,
+        # CPU seconds each process spent during the measured run (the client: this process).
+        "cpu_s": cpu | {"client": round(ran["client_cpu_s"], 2)},
         "startup_s": round(startup_s, 1),
         "service_exit_codes": codes,
         "logs": str(log_dir),
     }
     return result, ran["traces"]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process (Linux /proc), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def stop_all(children: list[Child]) -> dict[str, int]:

@@ -56,13 +56,11 @@ def parkade_child(args: argparse.Namespace) -> dict:
             kv_cache_memory_bytes=2 * 2**30,
             enable_prefix_caching=args.prefix_caching,
             attention_backend="torch" if args.baseline else "auto",
+            cpu_matmul_upcast=not args.baseline,
         ),
         skip_tokenizer_init=True,
     )
     executor = engine.core.executor
-    if args.baseline:  # undo the fp32 matmul weights: exact, they were upcast from the dtype
-        executor.model.to(executor.model_config.dtype)
-        executor.model.logits_weight = None
     init_s = time.perf_counter() - start
 
     def run(requests: list[dict], tag: str) -> dict:
@@ -104,7 +102,7 @@ def parkade_child(args: argparse.Namespace) -> dict:
         "warmup_s": round(time.perf_counter() - warm, 2),
         "torch_threads": threads,
         "attention_backend": executor.attention_backend.__name__.rsplit(".", 1)[-1],
-        "fp32_matmuls": executor.model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32,
+        "fp32_matmuls": executor.fp32_matmuls,
     }
     result[args.workload] = run(bc.make_workload(args.workload, vocab), "req-")
     return result

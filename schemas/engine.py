@@ -70,8 +70,7 @@ class GeneratedTokens(msgspec.Struct, frozen=True, kw_only=True, tag="generated_
     logprobs: tuple[TokenLogprobs, ...] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # with finish_reason "error": why the request was refused
 
 

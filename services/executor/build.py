@@ -7,6 +7,7 @@ number of blocks (from the memory budget), `block_size` and the effective `max_m
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -16,6 +17,8 @@ from parkade.services.common.model_files import check_model_folder
 from parkade.services.executor.executor import Executor
 from parkade.services.executor.kv_pool import bytes_per_block
 from parkade.services.executor.options import CPU_KV_BYTES, CPU_KV_SEQS, ExecutorOptions
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(options: ExecutorOptions) -> torch.device:
@@ -59,6 +62,7 @@ def build_executor(
         device=device,
         attention_backend=options.attention_backend,
         seed=options.seed,
+        cpu_matmul_upcast=options.cpu_matmul_upcast,
     )
     pool_tokens = executor.num_blocks * options.block_size
     if max_model_len > pool_tokens:
@@ -69,4 +73,7 @@ def build_executor(
                 "max_model_len"
             )
         max_model_len = pool_tokens
+    if device.type == "cuda" and not options.enforce_eager and executor.decode_graphs_supported():
+        seconds = executor.capture_decode_graphs(max_model_len)
+        log.info("captured %d decode CUDA graphs in %.1f s", len(executor.graphs.sizes), seconds)
     return model_config, executor, max_model_len

@@ -13,7 +13,8 @@ import torch
 from parkade.kernels.backends import AttentionBackend, get_attention_backend
 from parkade.schemas import StepPlan, StepResult
 from parkade.services.common.model_config import ModelConfig
-from parkade.services.executor.input_batch import CachedRequestState, build_inputs
+from parkade.services.executor.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraph, DecodeGraphs, EagerGraph
+from parkade.services.executor.input_batch import InputBatch
 from parkade.services.executor.kv_pool import allocate_kv_pool, num_blocks_for_budget
 from parkade.services.executor.model import load_model
 from parkade.services.executor.sampler import Sampler
@@ -45,13 +46,17 @@ class Executor:
         device: torch.device,
         attention_backend: AttentionBackend | str = AttentionBackend.AUTO,
         seed: int = 0,
+        cpu_matmul_upcast: bool = True,
     ) -> None:
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
         self.attention_backend = get_attention_backend(attention_backend, device)
         self.model = load_model(model_config, device, self.attention_backend)
-        if device.type == "cpu" and not cpu_has_native_matmul(model_config.dtype):
+        self.fp32_matmuls = (
+            cpu_matmul_upcast and device.type == "cpu" and not cpu_has_native_matmul(model_config.dtype)
+        )
+        if self.fp32_matmuls:
             self.model.use_fp32_matmuls()
         kv_dtype = model_config.dtype
         if kv_cache_memory_bytes is None:
@@ -64,37 +69,59 @@ class Executor:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self.requests: dict[str, CachedRequestState] = {}
+        self.batch = InputBatch(block_size, device)
+        self.graphs: DecodeGraphs | None = None
+
+    def decode_graphs_supported(self) -> bool:
+        # By name: resolving the Triton backend on a CPU would switch on its interpreter.
+        return self.attention_backend.__name__ == "parkade.kernels.attention_triton"
+
+    def capture_decode_graphs(
+        self, max_model_len: int, max_size: int = MAX_CAPTURE_SIZE, eager_stand_in: bool = False
+    ) -> float:
+        """Capture CUDA graphs of decode steps (Triton backend only); -> seconds it took.
+
+        `eager_stand_in`: the CPU dry run, replaying by calling the model again (see cuda_graphs)."""
+        if not self.decode_graphs_supported():
+            raise ValueError("decode graphs need the triton attention backend")
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.attention_backend,
+            max_model_len=max_model_len, block_size=self.block_size, device=self.device,
+            max_size=max_size, graph_type=EagerGraph if eager_stand_in else CudaGraph,
+        )  # fmt: skip
+        with torch.inference_mode():
+            self.graphs.capture()
+        return self.graphs.capture_s
+
+    def reset(self) -> None:
+        """Forget every request (a new scheduler knows none of them)."""
+        self.batch.clear()
 
     def _apply_plan(self, plan: StepPlan) -> None:
         for request_id in (*plan.finished_request_ids, *plan.preempted_request_ids):
-            self.requests.pop(request_id, None)
+            self.batch.remove(request_id)
         for new in plan.new_requests:
-            self.requests[new.request_id] = CachedRequestState.from_new(new)
+            self.batch.add(new)
         for cached in plan.cached_requests:
-            state = self.requests[cached.request_id]
-            assert state.num_computed_tokens == cached.num_computed_tokens, (
-                f"{cached.request_id}: executor at {state.num_computed_tokens} tokens, "
-                f"plan at {cached.num_computed_tokens}"
-            )
-            state.block_ids.extend(cached.new_block_ids)
+            self.batch.extend_blocks(cached)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         self._apply_plan(plan)
         if not plan.num_scheduled_tokens:
             return StepResult(step_id=plan.step_id)
-        inputs = build_inputs(plan, self.requests, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-        for request_id, n in plan.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += n
+        inputs = self.batch.build(plan)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            hidden = self.graphs.run(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        self.batch.mark_computed(inputs)
         states = inputs.sampling_states
         if not states:
             return StepResult(step_id=plan.step_id)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         token_ids, logprobs = self.sampler(logits, states, self.generator)
-        for state, token_id in zip(states, token_ids, strict=True):
-            state.token_ids.append(token_id)
+        self.batch.append_sampled(states, token_ids)
         return StepResult(
             step_id=plan.step_id,
             request_ids=tuple(s.request_id for s in states),

@@ -53,7 +53,7 @@ class ExecutorHandler:
             return []  # for a replaced executor
         if plan.scheduler_id != self.scheduler_id:
             # A new scheduler: its step ids start again, and it knows none of the old requests.
-            self.executor.requests.clear()
+            self.executor.reset()
             self.scheduler_id, self.last_step_id = plan.scheduler_id, 0
         if plan.step_id <= self.last_step_id:
             return []  # redelivered

@@ -58,6 +58,17 @@ class ExecutorOptions:
         },
     )
     seed: int = field(default=0, metadata={"help": "seed of the sampling of requests without their own seed"})
+    enforce_eager: bool = field(
+        default=False,
+        metadata={"help": "no CUDA graphs of decode steps (captured on CUDA with the triton backend)"},
+    )
+    cpu_matmul_upcast: bool = field(
+        default=True,
+        metadata={
+            "help": "on a CPU without bf16/fp16 matrix units (no AVX512-BF16/AMX), keep bf16/fp16 matmul "
+            "weights in fp32: several times faster there, equal up to summation order; off: native matmuls"
+        },
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention_backend", AttentionBackend.parse(self.attention_backend))

@@ -71,6 +71,10 @@ class Sampler:
             raise ValueError(f"{len(rows)} rows for {logits.shape[0]} rows of logits")
         if not rows:
             return [], []
+        if all(_plain_greedy(r) for r in rows):
+            # The greedy fast path: nothing changes the logits and nobody wants logprobs, so the
+            # answer is the raw argmax (no copy, no per-row masks).
+            return logits.argmax(dim=-1).tolist(), [None] * len(rows)
         params = [r.sampling_params for r in rows]
         # A private copy: penalties and masks must not leak into the caller's (raw) logits.
         x = _apply_penalties(logits.to(torch.float32, copy=True), rows)
@@ -83,6 +87,19 @@ class Sampler:
             sampled[idx] = _exponential_race(probs, [rows[i] for i in random_rows], generator)
         token_ids = sampled.tolist()
         return token_ids, _logprobs(logits, sampled, params)
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Greedy with no penalty, no logprobs and no min_tokens mask in force: argmax of the raw logits."""
+    p = row.sampling_params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and not p.frequency_penalty
+        and not p.presence_penalty
+        and (not p.min_tokens or len(row.token_ids) - row.num_prompt_tokens >= p.min_tokens)
+    )
 
 
 def _padded_ids(rows: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from parkade.services.scheduler.block_pool import BlockPool
 from parkade.services.scheduler.request import BlockHash, Request
 
+_NO_BLOCKS: tuple[int, ...] = ()  # what a step that needs no new block gets
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -29,9 +31,11 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        # request_id -> block table. The same list is the request's `block_ids`; the request's
+        # `num_hashed_blocks` counts its leading blocks offered to the prefix cache, and
+        # `kv_noop_until` says up to which token count `allocate_slots` has nothing to do. The
+        # manager owns these fields; they live on the request so that a decode step reads no dict.
         self.block_tables: dict[str, list[int]] = {}
-        # How many leading blocks of each table have been offered to the prefix cache.
-        self._num_hashed_blocks: dict[str, int] = {}
         self.num_prefix_queries = 0  # tokens looked up, for the hit rate
         self.num_prefix_hits = 0  # tokens found
 
@@ -52,7 +56,7 @@ class KVCacheManager:
         At least one token is always left to compute, because the executor needs a token's
         hidden state to sample the next one.
         """
-        assert request.request_id not in self.block_tables
+        assert not request.block_ids
         if not self.enable_caching:
             return [], 0
         hashes = request.update_block_hashes()
@@ -78,7 +82,7 @@ class KVCacheManager:
         num_new_tokens: int,
         computed_block_ids: Sequence[int] = (),
         num_reserved_tokens: int = 0,
-    ) -> list[int] | None:
+    ) -> Sequence[int] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones.
 
         `computed_block_ids` are prefix-cache hits from `match_prefix` (a first admission only);
@@ -86,18 +90,11 @@ class KVCacheManager:
         Returns the newly allocated block ids, or None, changing nothing, when the pool is
         short of blocks.
         """
-        table = self.block_tables.get(request.request_id)
-        if table is not None and not computed_block_ids and not num_reserved_tokens:
-            # The decode fast path: the request's last block usually has room for its next token.
-            end = request.num_computed_tokens + num_new_tokens
-            if end <= len(table) * self.block_size:
-                if self.enable_caching and end // self.block_size > self._num_hashed_blocks.get(
-                    request.request_id, 0
-                ):
-                    self._cache_full_blocks(request, table, end)
-                return []
-        if table is None:
-            table = []
+        if request.num_computed_tokens + num_new_tokens <= request.kv_noop_until and not (
+            computed_block_ids or num_reserved_tokens
+        ):
+            return _NO_BLOCKS  # the decode fast path: the last block has room and fills no block
+        table = request.block_ids
         num_computed = request.num_computed_tokens + len(computed_block_ids) * self.block_size
         num_total = num_computed + num_new_tokens + num_reserved_tokens
         num_needed = max(0, cdiv(num_total, self.block_size) - len(table) - len(computed_block_ids))
@@ -109,9 +106,19 @@ class KVCacheManager:
         table.extend(computed_block_ids)
         new_block_ids = self.pool.allocate(num_needed)
         table.extend(new_block_ids)
-        self.block_tables[request.request_id] = table
+        if table:
+            self.block_tables[request.request_id] = table
         self._cache_full_blocks(request, table, num_computed + num_new_tokens)
+        self._set_noop_until(request)
         return new_block_ids
+
+    def _set_noop_until(self, request: Request) -> None:
+        """Up to which token count `allocate_slots` has nothing to do: the held slots, and with
+        caching, short of filling the first block not yet offered to the prefix cache."""
+        end = len(request.block_ids) * self.block_size
+        if self.enable_caching:
+            end = min(end, (request.num_hashed_blocks + 1) * self.block_size - 1)
+        request.kv_noop_until = end
 
     def _cache_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
         """Register the blocks that `num_tokens` tokens (once computed) fill completely.
@@ -124,14 +131,14 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         num_full = min(num_tokens, request.num_tokens) // self.block_size
-        start = self._num_hashed_blocks.get(request.request_id, 0)
+        start = request.num_hashed_blocks
         if num_full <= start:
             return
         hashes = request.update_block_hashes()
         for i in range(start, num_full):
             parent = hashes[i - 1] if i > 0 else None
             self.pool.cache_block(table[i], hashes[i], parent, request.block_token_ids(i))
-        self._num_hashed_blocks[request.request_id] = num_full
+        request.num_hashed_blocks = num_full
 
     def free(self, request: Request, num_computed_tokens: int | None = None) -> None:
         """Return a request's blocks. Idempotent.
@@ -140,8 +147,9 @@ class KVCacheManager:
         past them lose their prefix-cache registration. Freed in reverse order, so that a
         request's tail blocks (the least likely to be shared) are evicted before its head.
         """
-        table = self.block_tables.pop(request.request_id, None)
-        self._num_hashed_blocks.pop(request.request_id, None)
+        table = request.block_ids
+        self.block_tables.pop(request.request_id, None)
+        request.block_ids, request.num_hashed_blocks, request.kv_noop_until = [], 0, 0
         if not table:
             return
         if num_computed_tokens is not None:

@@ -40,6 +40,18 @@ def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> Blo
 
 
 class Request:
+    # Slots: the scheduler touches every running request's fields each step, and thousands of
+    # slotted objects stay compact in the CPU cache where per-instance dicts do not.
+    __slots__ = (  # noqa: RUF023 (the fields a step reads come first: they share cache lines)
+        "status", "num_tokens", "num_computed_tokens", "num_output_placeholders", "num_tokens_left",
+        "all_token_ids",
+        "num_output_tokens", "max_num_tokens",
+        "kv_noop_until", "block_ids", "num_hashed_blocks", "request_id", "admitted_step", "num_prompt_tokens",
+        "sampling_params", "eos_token_ids", "num_cached_tokens", "stop_token_ids",
+        "arrival_time", "block_hashes", "block_size", "finish_reason", "num_preemptions", "priority",
+        "prompt_token_ids", "stop_reason",
+    )  # fmt: skip
+
     def __init__(self, engine_request: EngineRequest, block_size: int) -> None:
         self.request_id = engine_request.request_id
         self.prompt_token_ids: tuple[int, ...] = engine_request.prompt_token_ids
@@ -52,30 +64,35 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.max_num_tokens = 0  # prompt + max_tokens, capped by the length limit: set by the scheduler
+        # Kept as counters, not computed from the fields above, so that a step reads values it
+        # wrote itself (hot in the CPU cache) rather than each request's constants.
+        self.num_tokens = self.num_prompt_tokens  # len(all_token_ids)
+        self.num_output_tokens = 0
+        self.num_tokens_left = 0  # max_num_tokens - num_tokens: set by the scheduler, 0 stops it
+        self.stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignored) + stop ids: set by it too
         self.num_computed_tokens = 0
         # Tokens that steps in flight will sample: a decode can be scheduled before the previous
         # token is known, because the executor keeps the tokens it samples.
         self.num_output_placeholders = 0
         self.admitted_step = 0  # results of steps before this one belong to an earlier admission
         self.num_cached_tokens = -1  # prefix-cache hit of the first admission; -1 before it
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # times sent back to the waiting queue (or its executor replaced)
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         # block_hashes[i] covers all_token_ids[: (i + 1) * block_size]; grows with the tokens.
         self.block_hashes: list[BlockHash] = []
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        # Owned by the KVCacheManager, kept here so that its per-step fast path reads no dict:
+        # the block table (empty while the request holds no blocks), how many of its leading
+        # blocks were offered to the prefix cache, and up to which num_computed_tokens + new
+        # tokens `allocate_slots` has nothing to do (0: always ask it).
+        self.block_ids: list[int] = []
+        self.num_hashed_blocks = 0
+        self.kv_noop_until = 0
 
     @property
     def num_tokens_with_placeholders(self) -> int:
-        return len(self.all_token_ids) + self.num_output_placeholders
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
+        return self.num_tokens + self.num_output_placeholders
 
     @property
     def output_token_ids(self) -> list[int]:

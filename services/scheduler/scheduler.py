@@ -62,6 +62,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._in_executor: set[str] = set()  # requests whose state the executor holds
         self._finished_ids: list[str] = []  # to tell the executor in the next plan
+        self._stop_sets: dict[frozenset[int], frozenset[int]] = {}
 
     # ---- requests in and out -------------------------------------------------------------
     def add(self, engine_request: EngineRequest) -> None:
@@ -71,6 +72,16 @@ class Scheduler:
         self.validate(engine_request)
         request = Request(engine_request, self.config.block_size)
         request.max_num_tokens = self._reservation(request)
+        request.num_tokens_left = request.max_num_tokens - request.num_prompt_tokens
+        params = request.sampling_params
+        eos = () if params.ignore_eos else request.eos_token_ids
+        stop_token_ids = frozenset((*eos, *params.stop_token_ids))
+        # Requests share one set object per distinct set (a bounded few), which stays in the CPU
+        # cache where thousands of per-request sets would not.
+        shared = self._stop_sets.get(stop_token_ids)
+        if shared is None and len(self._stop_sets) < 256:
+            self._stop_sets[stop_token_ids] = shared = stop_token_ids
+        request.stop_token_ids = shared or stop_token_ids
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -108,7 +119,6 @@ class Scheduler:
             token_ids=(),
             finish_reason=reason,
             stop_reason=stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
 
@@ -130,41 +140,60 @@ class Scheduler:
         self.step_id += 1
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
+        grown: dict[str, CachedRequestData] = {}  # running requests whose block table grew
         preempted: list[Request] = []
 
         # 1. Running requests, in admission order.
         # NOTE: this loop and `update` run once per running request per step: keep them lean.
-        allocate_slots = self.kv.allocate_slots
+        # A scheduled request's counters move at once; a victim that was scheduled earlier in this
+        # loop (priority policy only) has its tokens handed back.
+        allocate_slots, running_status = self.kv.allocate_slots, RequestStatus.RUNNING
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running_status:
                 continue  # preempted earlier in this loop
-            num_known = len(request.all_token_ids) + request.num_output_placeholders
+            num_computed = request.num_computed_tokens
+            num_known = request.num_tokens + request.num_output_placeholders
             # Steps in flight already sample its last token (max_tokens or the length limit).
-            if request.num_output_placeholders and num_known >= request.max_num_tokens:
+            if request.num_output_placeholders and request.num_output_placeholders >= request.num_tokens_left:
                 continue
-            num_new = min(num_known - request.num_computed_tokens, budget)
+            num_new = num_known - num_computed
             if num_new <= 0:
                 continue
-            while (blocks := allocate_slots(request, num_new)) is None:
+            if num_new > budget:
+                num_new = budget
+            if num_computed + num_new <= request.kv_noop_until:
+                blocks = ()  # what `allocate_slots` would answer, without the call
+            else:
+                blocks = allocate_slots(request, num_new)
+            while blocks is None:
                 victim = self._pick_victim()
                 if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id)
-                    new_blocks.pop(victim.request_id)
+                    victim_tokens = scheduled.pop(victim.request_id)
+                    budget += victim_tokens
+                    victim.num_computed_tokens -= victim_tokens
+                    grown.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
+                blocks = allocate_slots(request, num_new)
             if blocks is None:
                 continue
-            scheduled[request.request_id] = num_new
-            new_blocks[request.request_id] = blocks
+            request_id = request.request_id
+            scheduled[request_id] = num_new
             budget -= num_new
+            if blocks:  # the executor knows the other requests' block tables already
+                grown[request_id] = CachedRequestData(
+                    request_id=request_id, new_block_ids=tuple(blocks), num_computed_tokens=num_computed
+                )
+            request.num_computed_tokens = num_computed = num_computed + num_new
+            if num_computed == num_known:
+                request.num_output_placeholders += 1  # this step samples its next token
 
         # 2. Admissions, unless this step had to preempt (the pool is full).
-        admitted: list[Request] = []
+        new_requests: list[NewRequestData] = []
         while (
             not preempted
             and budget > 0
@@ -180,68 +209,42 @@ class Scheduler:
             reserved = 0
             if self.config.admission is AdmissionMode.RESERVE:
                 reserved = max(0, request.max_num_tokens - num_hit - num_new)
-            blocks = self.kv.allocate_slots(request, num_new, hit_blocks, reserved)
-            if blocks is None:
+            if self.kv.allocate_slots(request, num_new, hit_blocks, reserved) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
             request.admitted_step = self.step_id
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             self.kv.record_admission(request, num_hit)
+            new_requests.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    token_ids=tuple(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=tuple(request.block_ids),
+                    num_computed_tokens=num_hit,
+                    eos_token_ids=request.eos_token_ids,
+                )
+            )
             scheduled[request.request_id] = num_new
-            admitted.append(request)
             budget -= num_new
-
-        return self._make_plan(scheduled, new_blocks, admitted, preempted)
-
-    def _make_plan(
-        self,
-        scheduled: dict[str, int],
-        new_blocks: dict[str, list[int]],
-        admitted: list[Request],
-        preempted: list[Request],
-    ) -> StepPlan:
-        new_requests = [
-            NewRequestData(
-                request_id=r.request_id,
-                token_ids=tuple(r.all_token_ids),
-                num_prompt_tokens=r.num_prompt_tokens,
-                sampling_params=r.sampling_params,
-                block_ids=tuple(self.kv.get_block_ids(r.request_id)),
-                num_computed_tokens=r.num_computed_tokens,
-                eos_token_ids=r.eos_token_ids,
-            )
-            for r in admitted
-        ]
-        # Only requests whose block table grew: the executor knows the others' state already.
-        cached_requests = [
-            CachedRequestData(
-                request_id=request_id,
-                new_block_ids=tuple(blocks),
-                num_computed_tokens=self.requests[request_id].num_computed_tokens,
-            )
-            for request_id, blocks in new_blocks.items()
-            if blocks
-        ]
-        preempted_ids = [r.request_id for r in preempted if r.request_id in self._in_executor]
-        self._in_executor.difference_update(preempted_ids)
-        self._in_executor.update(r.request_id for r in admitted)
-        requests = self.requests
-        for request_id, num_tokens in scheduled.items():
-            request = requests[request_id]
-            request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
+            request.num_computed_tokens = num_hit + num_new
+            if request.num_computed_tokens == request.num_tokens:  # (no placeholders while waiting)
                 request.num_output_placeholders += 1  # this step samples its next token
+
+        preempted_ids = tuple(r.request_id for r in preempted if r.request_id in self._in_executor)
+        self._in_executor.difference_update(preempted_ids)
+        self._in_executor.update(r.request_id for r in new_requests)
         plan = StepPlan(
             step_id=self.step_id,
             new_requests=tuple(new_requests),
-            cached_requests=tuple(cached_requests),
+            cached_requests=tuple(grown.values()),
             num_scheduled_tokens=scheduled,
             finished_request_ids=tuple(self._finished_ids),
-            preempted_request_ids=tuple(preempted_ids),
+            preempted_request_ids=preempted_ids,
         )
         self._finished_ids = []
         return plan
@@ -287,13 +290,19 @@ class Scheduler:
             if (
                 request is None
                 or request.status is not running_status
-                or step_id < request.admitted_step  # sampled before a preemption
+                or (request.num_preemptions and step_id < request.admitted_step)  # sampled before one
             ):
                 continue
             request.num_output_placeholders -= 1
             request.all_token_ids.append(token_id)
-            num_outputs = len(request.all_token_ids) - request.num_prompt_tokens
-            reason, stop_reason = self._check_stop(request, token_id, num_outputs)
+            request.num_tokens += 1
+            request.num_output_tokens = num_outputs = request.num_output_tokens + 1
+            request.num_tokens_left = num_left = request.num_tokens_left - 1
+            reason = stop_reason = None
+            if token_id in request.stop_token_ids:
+                reason, stop_reason = self._check_stop_token(request, token_id, num_outputs)
+            if reason is None and num_left <= 0:
+                reason = FinishReason.LENGTH  # max_tokens, or too long
             if reason is not None:
                 finished.append(request)
                 self._finish(request, reason, stop_reason)
@@ -305,7 +314,6 @@ class Scheduler:
                     logprobs=None if token_logprobs is None else (token_logprobs,),
                     finish_reason=reason,
                     stop_reason=stop_reason,
-                    num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )
@@ -313,23 +321,24 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is running_status]
         return outputs
 
-    def _check_stop(
-        self, request: Request, token_id: int, num_outputs: int
+    @staticmethod
+    def _check_stop_token(
+        request: Request, token_id: int, num_outputs: int
     ) -> tuple[FinishReason | None, int | None]:
+        """A sampled token that is in `request.stop_token_ids`: does it stop the request?"""
         params = request.sampling_params
-        if num_outputs >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return FinishReason.STOP, None
-            if token_id in params.stop_token_ids:
-                return FinishReason.STOP, token_id
-        if request.num_prompt_tokens + num_outputs >= request.max_num_tokens:  # max_tokens, or too long
-            return FinishReason.LENGTH, None
-        return None, None
+        if num_outputs < params.min_tokens:
+            return None, None
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return FinishReason.STOP, None
+        return FinishReason.STOP, token_id
 
     def reset_executor(self) -> None:
         """A new executor with an empty KV pool replaced the old one: every running request is
         recomputed from scratch and the prefix cache starts empty (its blocks held old K/V)."""
         for request in reversed(self.running):
+            self.kv.free(request)  # into the pool that is dropped below: this clears the request's table
+            request.num_preemptions += 1  # results of the old executor's steps are dropped
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
             request.num_output_placeholders = 0
@@ -365,8 +374,15 @@ class Scheduler:
             assert request.status is RequestStatus.RUNNING
             assert request.num_computed_tokens <= request.num_tokens_with_placeholders
             assert request.num_output_placeholders >= 0
-            held = len(self.kv.get_block_ids(request.request_id)) * self.config.block_size
+            assert self.kv.block_tables[request.request_id] is request.block_ids
+            assert request.kv_noop_until <= len(request.block_ids) * self.config.block_size
+            held = len(request.block_ids) * self.config.block_size
             assert held >= request.num_computed_tokens
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert request.num_computed_tokens == 0
+            assert not request.block_ids and request.kv_noop_until == 0
+        for request in self.requests.values():  # the counters kept for speed
+            assert request.num_tokens == len(request.all_token_ids)
+            assert request.num_output_tokens == request.num_tokens - request.num_prompt_tokens
+            assert request.num_tokens_left == request.max_num_tokens - request.num_tokens

@@ -200,6 +200,36 @@ def test_block_sizes(device, block_size):
     check(batch)
 
 
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+def test_launch_per_head_size(head_dim):
+    for group_pad in (1, 4, 8):
+        decode = attention_triton.choose_launch(head_dim, group_pad, max_seqlen_q=1)
+        prefill = attention_triton.choose_launch(head_dim, group_pad, max_seqlen_q=37)
+        for launch in (decode, prefill):
+            assert launch.block_q * group_pad >= 16  # tl.dot's minimum rows
+            assert launch.num_warps in (2, 4, 8) and launch.num_stages >= 1
+            assert 16 % launch.block_n == 0 or launch.block_n % 16 == 0  # tiles align with pow2 blocks
+        assert prefill.block_q >= decode.block_q and prefill.num_warps >= decode.num_warps
+    # Wider heads never get larger tiles or more stages (shared memory per stage grows with them).
+    narrow, wide = (attention_triton.choose_launch(d, 1, 1) for d in (64, 256))
+    assert wide.block_n <= narrow.block_n and wide.num_stages <= narrow.num_stages
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["decode", "chunks"])
+def test_every_launch_tiling_gives_the_same_attention(device, layout):
+    """What a `--launch-sweep` may try: the tiling changes, the result does not."""
+    batch = make_batch(BATCHES[layout], block_size=16, head_dim=16, device=device)
+    expected = reference(batch)
+    tol = TOLERANCE[batch.q.device.type, batch.q.dtype]
+    for block_q, block_n, warps, stages in ((8, 16, 2, 1), (16, 32, 4, 2), (32, 64, 8, 3)):
+        launch = attention_triton.LaunchConfig(block_q, block_n, num_warps=warps, num_stages=stages)
+        out = attention_triton.paged_attention_varlen(
+            batch.q, batch.k_cache, batch.v_cache, launch=launch, **batch.kwargs()
+        )
+        torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["decode", "chunks"])
 def test_shared_prefix_blocks(device, layout):

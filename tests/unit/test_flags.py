@@ -50,6 +50,8 @@ NON_DEFAULTS = {
         max_model_len=64,
         attention_backend=AttentionBackend.TRITON,
         seed=11,
+        cpu_matmul_upcast=False,
+        enforce_eager=True,
     ),
     TokenizerOptions: dict(model=Path("/models/llama"), tokenizer=Path("/models/llama-tokenizer")),
 }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,20 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from loadtest_scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "loadtest" / "kernel_bench.py"
-
-
-def _load():
-    # loadtest/ is no package: load the script by its path (registered, as dataclasses expect).
-    spec = importlib.util.spec_from_file_location("kernel_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-kb = _load()
+kb = load_script("kernel_bench")
+SCRIPT = Path(kb.__file__)
 
 
 def test_case_grid_is_every_batch_for_every_context():
@@ -141,3 +130,18 @@ def test_dry_run_prints_the_report():
     assert doc["max_abs_err"] == case["max_abs_err"]
     for key in ("triton_ms", "triton_GBps", "triton_frac_peak", "sdpa_ms", "sdpa_GBps", "sdpa_frac_peak"):
         assert case[key] > 0, key
+
+
+def test_launch_sweep_dry_run_times_each_launch_and_agrees_with_the_default():
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--launch-sweep"],
+        env=env, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    [row] = doc["results"]
+    assert len(row["all"]) == 2 * 2  # two key tiles x (1 warp count x 2 stage counts)
+    for launch in row["all"]:
+        assert launch["ms"] > 0 and launch["max_abs_diff"] < 1e-5
+    assert row["best"] in row["all"] and row["chosen_ms"] > 0

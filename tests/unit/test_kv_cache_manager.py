@@ -19,7 +19,7 @@ def test_blocks_are_allocated_on_demand():
     r = make("a", list(range(10)))
     assert kv.allocate_slots(r, 6) == [0, 1]
     r.num_computed_tokens = 6
-    assert kv.allocate_slots(r, 2) == []  # still fits in block 1
+    assert not kv.allocate_slots(r, 2)  # still fits in block 1: no new block
     r.num_computed_tokens = 8
     assert kv.allocate_slots(r, 2) == [2]
     assert kv.get_block_ids("a") == [0, 1, 2]
@@ -78,7 +78,7 @@ def test_reserved_tokens_allocate_ahead():
     a = make("a", list(range(3)))
     assert kv.allocate_slots(a, 3, num_reserved_tokens=10) == [0, 1, 2, 3]
     a.num_computed_tokens = 3
-    assert kv.allocate_slots(a, 1) == []
+    assert not kv.allocate_slots(a, 1)  # reserved ahead: no new block
 
 
 def test_without_caching_nothing_matches():

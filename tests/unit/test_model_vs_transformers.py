@@ -219,6 +219,21 @@ def test_fp32_matmuls_compute_what_bf16_matmuls_do(tmp_path):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+def test_the_executor_upcasts_only_where_the_cpu_lacks_bf16_matmuls_and_only_when_asked(tmp_path):
+    from parkade.services.executor.build import build_executor
+    from parkade.services.executor.executor import cpu_has_native_matmul
+    from parkade.services.executor.options import ExecutorOptions
+
+    path = make_tiny_model(tmp_path, "llama")
+    for upcast in (True, False):
+        options = ExecutorOptions(model=path, dtype="bfloat16", device="cpu", cpu_matmul_upcast=upcast)
+        _, executor, _ = build_executor(options)
+        expected = upcast and not cpu_has_native_matmul(torch.bfloat16)
+        assert executor.fp32_matmuls is expected
+        weight = executor.model.model.layers[0].mlp.up_proj.weight
+        assert weight.dtype == (torch.float32 if expected else torch.bfloat16)
+
+
 # --- errors -----------------------------------------------------------------------------------
 
 

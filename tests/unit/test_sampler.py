@@ -46,6 +46,27 @@ def test_greedy_is_argmax():
     assert logprobs == [None] * 6
 
 
+def test_the_greedy_fast_path_answers_as_the_full_path_and_only_when_it_may():
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(3))
+    before = logits.clone()
+    plain = [row(temperature=0.0) for _ in range(5)]
+    fast, _ = sample(logits, plain, None)
+    # One row with logprobs sends the whole batch down the full path: same tokens.
+    full, logprobs = sample(logits, [*plain[:4], row(temperature=0.0, logprobs=0)], None)
+    assert fast == full == logits.argmax(-1).tolist() and logprobs[4] is not None
+    assert torch.equal(logits, before)
+    # Rows the fast path must not take: a penalty, or a min_tokens mask in force.
+    eos = int(logits[0].argmax())
+    masked, _ = sample(logits[:1], [row(temperature=0.0, min_tokens=2, eos=(eos,))], None)
+    assert masked != [eos]
+    free, _ = sample(logits[:1], [row(temperature=0.0, min_tokens=2, outputs=(1, 2), eos=(eos,))], None)
+    assert free == [eos]  # min_tokens reached: the mask is off
+    positive = logits[1:2].abs() + 0.01  # a repetition penalty divides positive logits
+    seen = int(positive.argmax())
+    penalized, _ = sample(positive, [row(temperature=0.0, repetition_penalty=100.0, outputs=(seen,))], None)
+    assert penalized != [seen]
+
+
 def test_top_k_1_equals_greedy():
     logits = torch.randn(32, 100, generator=torch.Generator().manual_seed(1))
     tokens, _ = sample(logits, [row(temperature=1.3, top_k=1) for _ in range(32)], torch.Generator())

@@ -54,9 +54,7 @@ def test_tokenizer_handler_is_idempotent_and_reports_errors(stories_frontend, st
     (event,) = handler.on_generated(first)
     assert event.topic == topics.TOKENS and event.message.index == 0
     assert handler.on_generated(first) == []  # redelivered
-    last = GeneratedTokens(
-        request_id="r", index=1, token_ids=(ids[1],), finish_reason=FinishReason.LENGTH, num_prompt_tokens=3
-    )
+    last = GeneratedTokens(request_id="r", index=1, token_ids=(ids[1],), finish_reason=FinishReason.LENGTH)
     (event,) = handler.on_generated(last)
     assert event.message.finish_reason == "length" and event.message.usage.completion_tokens == 2
     assert handler.on_generated(last) == [] and handler.on_request(request) == []  # finished stays finished
@@ -229,6 +227,9 @@ class _CountingExecutor:
     def execute(self, plan):
         self.executed.append(plan.step_id)
         return StepResult(step_id=plan.step_id)
+
+    def reset(self):
+        self.requests.clear()
 
 
 def test_executor_handler_runs_each_plan_once_and_follows_a_new_scheduler():
