@@ -11,8 +11,9 @@ so for each captured batch size there is one graph over the same static inputs:
     key of block 0: finite garbage, dropped), replay the graph of the smallest size >= n, keep :n.
 
 Only pure decode steps (one query per request) of at most the largest size run here, on the
-Triton backend (its kernels read every length on the device; `num_splits` is fixed to 1, since the
-split count depends on host lengths). Anything else runs eagerly.
+Triton backend (its kernels read every length on the device). `num_splits` is fixed to 1, since the
+split count depends on host lengths: a step the launcher would split (long contexts, few requests)
+runs eagerly, as does any other step.
 
 On a CPU there is no graph: `EagerGraph` "replays" by calling the captured function again on the
 same static buffers, so the buffer handling is tested without a GPU (`tests/integration`).
@@ -90,6 +91,8 @@ class DecodeGraphs:
         graph_type: type[CudaGraph] | type[EagerGraph] = CudaGraph,
     ) -> None:
         self.model, self.kv_caches = model, kv_caches
+        self.num_kv_heads = model.config.num_key_value_heads
+        self.choose_num_splits = getattr(attention, "choose_num_splits", None)
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_size)
         size = self.sizes[-1]
@@ -109,6 +112,7 @@ class DecodeGraphs:
         self.graph_type = graph_type
         self.graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
         self.capture_s = 0.0
+        self._recorded: tuple[torch.Tensor | None, ...] = ()
 
     def capture(self) -> None:
         """Record one graph per size, largest first (smaller ones reuse its memory pool)."""
@@ -124,6 +128,8 @@ class DecodeGraphs:
         if self.graph_type is CudaGraph:
             torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - start
+        # The graphs hold these tensors' addresses: they must never be rebuilt (see `run`).
+        self._recorded = (self.model.rotary.cos, self.model.rotary.sin, self.kv_caches[0][0])
 
     def _forward(self, size: int) -> torch.Tensor:
         metadata = AttentionMetadata(
@@ -150,11 +156,19 @@ class DecodeGraphs:
             and md.num_seqs <= self.sizes[-1]
             and md.block_table.shape[1] <= self.max_blocks
             and md.max_seqlen_k <= self.max_model_len
+            # Long contexts with few requests want flash-decoding splits, which a graph fixes at 1.
+            and (
+                self.choose_num_splits is None
+                or self.choose_num_splits(md.num_seqs, self.num_kv_heads, 1, md.max_seqlen_k) == 1
+            )
         )
 
     def run(self, inputs: ModelInputs) -> torch.Tensor:
         """The decode step's hidden states [n, hidden], from the smallest graph that holds it."""
         md = inputs.attn_metadata
+        recorded = (self.model.rotary.cos, self.model.rotary.sin, self.kv_caches[0][0])
+        if any(now is not then for now, then in zip(recorded, self._recorded, strict=True)):
+            raise RuntimeError("a tensor the decode graphs recorded was replaced: recapture them")
         n = md.num_seqs
         size = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)

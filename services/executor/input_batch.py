@@ -112,6 +112,8 @@ class InputBatch:
     def remove(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         if state is not None:
+            # Zeroed, so that a later owner's block table is padded with 0 as kernels/metadata.py says.
+            self.block_table[state.row, : self.num_blocks[state.row]] = 0
             self.num_tokens[state.row] = self.num_computed[state.row] = self.num_blocks[state.row] = 0
             self._free_rows.append(state.row)
 

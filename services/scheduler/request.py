@@ -76,7 +76,7 @@ class Request:
         self.num_output_placeholders = 0
         self.admitted_step = 0  # results of steps before this one belong to an earlier admission
         self.num_cached_tokens = -1  # prefix-cache hit of the first admission; -1 before it
-        self.num_preemptions = 0  # times sent back to the waiting queue (or its executor replaced)
+        self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None

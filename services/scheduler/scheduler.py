@@ -290,7 +290,9 @@ class Scheduler:
             if (
                 request is None
                 or request.status is not running_status
-                or (request.num_preemptions and step_id < request.admitted_step)  # sampled before one
+                # Sampled for an earlier admission: before a preemption, or for a finished request
+                # whose id a new request reuses.
+                or step_id < request.admitted_step
             ):
                 continue
             request.num_output_placeholders -= 1
@@ -338,7 +340,6 @@ class Scheduler:
         recomputed from scratch and the prefix cache starts empty (its blocks held old K/V)."""
         for request in reversed(self.running):
             self.kv.free(request)  # into the pool that is dropped below: this clears the request's table
-            request.num_preemptions += 1  # results of the old executor's steps are dropped
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
             request.num_output_placeholders = 0

@@ -100,6 +100,7 @@ def test_random_steps_match_the_per_request_loop_while_buffers_grow_and_rows_are
         md = inputs.attn_metadata
         for i, r in enumerate(scheduled):
             assert md.block_table[i, : len(tables[r])].tolist() == tables[r]
+            assert not md.block_table[i, len(tables[r]) :].any()  # padded with 0, whoever held the row
             assert md.seq_lens[i] == computed[r] + scheduled[r] == int(md.seqused_k[i])
         batch.mark_computed(inputs)
         for r, n in scheduled.items():

@@ -188,6 +188,22 @@ def test_prompts_that_can_never_run_fail_at_once():
         s.add(req("ok", 3))
 
 
+def test_a_result_for_a_finished_request_never_reaches_a_new_one_with_its_id():
+    s = sched()
+    s.add(req("x", 3, max_tokens=8))
+    first = s.schedule()
+    assert s.update(first, sample(first, {"x": 7}))[0].token_ids == (7,)
+    in_flight = s.schedule()  # x's decode: its result comes back after x is gone
+    s.finish_request("x")
+    s.add(req("x", 3, max_tokens=8, first=40))  # the id reused
+    readmitted = s.schedule()
+    assert s.update(in_flight, sample(in_flight, {"x": 99})) == []  # sampled for the old x
+    (event,) = s.update(readmitted, sample(readmitted, {"x": 5}))
+    assert event.index == 0 and event.token_ids == (5,)
+    assert s.requests["x"].output_token_ids == [5] and s.requests["x"].num_output_placeholders == 0
+    s.check_integrity()
+
+
 def test_abort_frees_blocks_and_is_idempotent():
     s = sched()
     s.add(req("a", 6))
