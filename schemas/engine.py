@@ -74,6 +74,17 @@ class GeneratedTokens(msgspec.Struct, frozen=True, kw_only=True, tag="generated_
     error: str | None = None  # with finish_reason "error": why the request was refused
 
 
+class GeneratedBatch(msgspec.Struct, frozen=True, kw_only=True, tag="generated_batch"):
+    """One step's events in one record on the generated topic.
+
+    NOTE: one record per step, not per token: a Kafka record costs the producer, the broker and the
+    consumer far more CPU than the few bytes of a token, and those processes share the machine
+    with the executor. Each event is still handled on its own (deduplicated by `index`).
+    """
+
+    events: tuple[GeneratedTokens, ...]
+
+
 class SchedulerAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="scheduler_announcement"):
     """Sent by a scheduler when it starts, on the generated topic. A new `scheduler_id` means the
     requests of the one before are gone (its page table lived in memory): the tokenizer ends

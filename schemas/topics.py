@@ -10,7 +10,13 @@ from typing import Any
 
 import msgspec
 
-from parkade.schemas.engine import EngineRequest, FinishRequest, GeneratedTokens, SchedulerAnnouncement
+from parkade.schemas.engine import (
+    EngineRequest,
+    FinishRequest,
+    GeneratedBatch,
+    GeneratedTokens,
+    SchedulerAnnouncement,
+)
 from parkade.schemas.events import TokenEvent
 from parkade.schemas.requests import AbortRequest, GenerateRequest
 from parkade.schemas.steps import ExecutorAnnouncement, StepPlan, StepResult
@@ -22,7 +28,7 @@ REQUESTS = "requests"  # client -> tokenizer, keyed by request_id
 TOKENIZED = "tokenized"  # tokenizer -> scheduler
 STEP_PLANS = "step-plans"  # scheduler -> executor, one record per step
 STEP_RESULTS = "step-results"  # executor -> scheduler, one record per step
-GENERATED = "generated"  # scheduler -> tokenizer: token ids
+GENERATED = "generated"  # scheduler -> tokenizer: token ids, one record per step
 TOKENS = "tokens"  # tokenizer -> clients, keyed by request_id
 DEAD_LETTER = "dead-letter"  # records that could not be decoded
 
@@ -32,7 +38,7 @@ TOPIC_TYPES: dict[str, Any] = {
     TOKENIZED: EngineRequest | FinishRequest,
     STEP_PLANS: StepPlan,
     STEP_RESULTS: StepResult | ExecutorAnnouncement,
-    GENERATED: GeneratedTokens | SchedulerAnnouncement,
+    GENERATED: GeneratedBatch | GeneratedTokens | SchedulerAnnouncement,
     TOKENS: TokenEvent,
 }
 

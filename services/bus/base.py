@@ -7,6 +7,7 @@ Record          a record read back by a `Consumer`, with its partition and offse
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -75,6 +76,11 @@ class Bus(Protocol):
 
     async def send_many(self, records: list[OutgoingRecord]) -> None:
         """Send records in order (per partition); returns once the broker has them all."""
+        ...
+
+    async def queue_many(self, records: list[OutgoingRecord]) -> Awaitable[None]:
+        """Queue records in order (per partition) and return at once; the returned awaitable
+        completes once the broker has them all, and raises if it refused one."""
         ...
 
     async def consumer(self, topics: list[str], group_id: str | None, *, from_end: bool = False) -> Consumer:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -107,11 +108,14 @@ class KafkaBus:
         return KafkaConsumer(consumer, group_id)
 
     async def send_many(self, records: list[OutgoingRecord]) -> None:
+        await (await self.queue_many(records))
+
+    async def queue_many(self, records: list[OutgoingRecord]) -> Awaitable[None]:
         # Queue them all, then wait: one round trip for the batch rather than one per record.
         # The producer keeps the order within a partition.
         producer = await self._started_producer()
         acks = [await producer.send(r.topic, r.value, key=r.key, headers=list(r.headers)) for r in records]
-        await asyncio.gather(*acks)
+        return asyncio.gather(*acks)
 
     async def create_topics(self, topics: list[str]) -> None:
         """Create missing topics with one partition each, and refuse existing ones with more.

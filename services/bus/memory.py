@@ -8,6 +8,7 @@ consumer of the group.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 from parkade.services.bus.base import Headers, OutgoingRecord, Record
 
@@ -69,6 +70,12 @@ class MemoryBus:
     async def send_many(self, records: list[OutgoingRecord]) -> None:
         for r in records:
             await self.send(r.topic, r.value, key=r.key, headers=r.headers)
+
+    async def queue_many(self, records: list[OutgoingRecord]) -> Awaitable[None]:
+        await self.send_many(records)  # in memory: had at once
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
 
     async def create_topics(self, topics: list[str]) -> None:
         for topic in topics:

@@ -3,7 +3,7 @@
     tokenized topic     EngineRequest / FinishRequest  -> add / finish (GeneratedTokens on finish)
     step-results topic  ExecutorAnnouncement           -> size the page table; a new executor id
                                                           means recompute everything
-                        StepResult                     -> GeneratedTokens (generated topic)
+                        StepResult                     -> one GeneratedBatch (generated topic)
     after every poll    up to `max_in_flight` StepPlans (step-plans topic)
 
 The scheduler's configuration is `SchedulerConfig.build(options, the announced geometry)`, as in
@@ -27,6 +27,7 @@ from parkade.schemas import (
     ExecutorAnnouncement,
     FinishReason,
     FinishRequest,
+    GeneratedBatch,
     GeneratedTokens,
     SchedulerAnnouncement,
     StepPlan,
@@ -155,7 +156,10 @@ class SchedulerHandler:
             step_id, plan = self.in_flight.popitem(last=False)
             if step_id == result.step_id:
                 break
-        return [self._generated(event) for event in self.scheduler.update(plan, result)]
+        events = self.scheduler.update(plan, result)
+        for event in events:
+            self._forget_if_finished(event)
+        return [Outgoing(topics.GENERATED, GeneratedBatch(events=tuple(events)))] if events else []
 
     def next_plans(self) -> list[Outgoing]:
         """Plan steps until `max_in_flight` are out; checks the block manager when idle."""
@@ -175,7 +179,10 @@ class SchedulerHandler:
 
     def _generated(self, event: GeneratedTokens) -> Outgoing:
         headers = self.headers.get(event.request_id, ())
+        self._forget_if_finished(event)
+        return Outgoing(topics.GENERATED, event, event.request_id, headers)
+
+    def _forget_if_finished(self, event: GeneratedTokens) -> None:
         if event.finish_reason is not None:
             self.headers.pop(event.request_id, None)
             self.finished.add(event.request_id)
-        return Outgoing(topics.GENERATED, event, event.request_id, headers)

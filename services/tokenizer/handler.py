@@ -3,8 +3,9 @@ does the work, this maps it to and from the topics.
 
     requests topic   GenerateRequest -> EngineRequest (tokenized topic)
                      AbortRequest    -> FinishRequest(abort) (tokenized topic)
-    generated topic  GeneratedTokens -> TokenEvent (tokens topic): text deltas, stop strings;
-                     a matched stop string also sends FinishRequest(stop) to the scheduler
+    generated topic  GeneratedBatch (a step's) / GeneratedTokens (one request's end)
+                                     -> TokenEvent per event (tokens topic): text deltas, stop
+                     strings; a matched stop string also sends FinishRequest(stop) to the scheduler
                      SchedulerAnnouncement of a new scheduler -> error events for open streams
 
 Idempotent under redelivery: a request id is tokenized once, and token messages whose index is
@@ -20,6 +21,7 @@ from parkade.schemas import (
     AbortRequest,
     FinishReason,
     FinishRequest,
+    GeneratedBatch,
     GeneratedTokens,
     GenerateRequest,
     SchedulerAnnouncement,
@@ -80,9 +82,13 @@ class TokenizerHandler:
         self.streams[request_id] = _Open(stream, headers)
         return [Outgoing(topics.TOKENIZED, request, request_id, headers)]
 
-    def on_generated(self, message: GeneratedTokens | SchedulerAnnouncement) -> list[Outgoing]:
+    def on_generated(
+        self, message: GeneratedBatch | GeneratedTokens | SchedulerAnnouncement
+    ) -> list[Outgoing]:
         if isinstance(message, SchedulerAnnouncement):
             return self.on_scheduler_announcement(message)
+        if isinstance(message, GeneratedBatch):
+            return [out for event in message.events for out in self.on_tokens(event)]
         return self.on_tokens(message)
 
     def on_scheduler_announcement(self, message: SchedulerAnnouncement) -> list[Outgoing]:

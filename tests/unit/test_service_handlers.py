@@ -15,6 +15,7 @@ from parkade.schemas import (
     ExecutorAnnouncement,
     FinishReason,
     FinishRequest,
+    GeneratedBatch,
     GeneratedTokens,
     GenerateRequest,
     SamplingParams,
@@ -65,6 +66,30 @@ def test_tokenizer_handler_is_idempotent_and_reports_errors(stories_frontend, st
         GenerateRequest(request_id="c", messages=(ChatMessage(role="user", content="hi"),))
     )
     assert chat.message.finish_reason == "error"  # stories260K has no chat template
+
+
+def test_a_steps_batch_of_events_becomes_one_token_event_each_and_a_redelivery_nothing(
+    stories_frontend, stories_tokenizer
+):
+    handler = TokenizerHandler(stories_frontend)
+    headers = (("traceparent", b"00-y"),)
+    for request_id in ("p", "q"):
+        handler.on_request(GenerateRequest(request_id=request_id, prompt="Once upon"), headers)
+    ids = stories_tokenizer.encode(" a time", add_special_tokens=False)
+    step = GeneratedBatch(
+        events=(
+            GeneratedTokens(request_id="p", index=0, token_ids=(ids[0],)),
+            GeneratedTokens(request_id="q", index=0, token_ids=(ids[0],), finish_reason=FinishReason.LENGTH),
+        )
+    )
+    out = handler.on_generated(step)
+    assert [(o.topic, o.key, o.message.request_id, o.message.index) for o in out] == [
+        (topics.TOKENS, "p", "p", 0),
+        (topics.TOKENS, "q", "q", 0),
+    ]
+    assert all(o.headers == headers for o in out)  # each request's own trace context
+    assert out[1].message.finish_reason == "length"
+    assert handler.on_generated(step) == []  # redelivered
 
 
 def test_chat_messages_use_the_models_chat_template(tmp_path):
@@ -126,8 +151,10 @@ def drive(handler, executor, rounds=50, seen_plans=None):
             seen_plans += plans
         for plan in plans:
             result = msgspec.structs.replace(executor.execute(plan), executor_id=plan.executor_id)
-            for o in handler.on_step_result(result):
-                out.setdefault(o.message.request_id, []).append(o.message)
+            for o in handler.on_step_result(result):  # one record per step
+                assert o.topic == topics.GENERATED and isinstance(o.message, GeneratedBatch)
+                for event in o.message.events:
+                    out.setdefault(event.request_id, []).append(event)
             assert handler.on_step_result(result) == []  # a redelivered result changes nothing
     return out
 
