@@ -21,7 +21,8 @@ from parkade.schemas.events import TokenEvent
 from parkade.schemas.requests import AbortRequest, GenerateRequest
 from parkade.schemas.steps import ExecutorAnnouncement, StepPlan, StepResult
 
-SCHEMA_VERSION = 1
+# Sent in every record's `parkade-schema` header. 2: the generated topic carries GeneratedBatch.
+SCHEMA_VERSION = 2
 DEFAULT_PREFIX = "parkade."
 
 REQUESTS = "requests"  # client -> tokenizer, keyed by request_id

@@ -78,9 +78,9 @@ async def serve(
     `after_batch` runs after each poll, records or not (the scheduler plans steps there).
     `send_each` sends what each record produced before handling the next one, rather than once per
     batch: for a slow handler whose output someone waits for (the executor: a poll may bring plans
-    N and N+1, and result N must not wait for step N+1's compute). It does not wait for the
-    broker's acknowledgement before the next record (that round trip would idle the executor once
-    per step).
+    N and N+1, and result N must not wait for step N+1's compute). Outputs are queued without
+    waiting for the broker: only the next queueing waits for the previous acknowledgements, by
+    then long done (a round trip per step would idle the executor).
 
     Nothing waits for the broker's acknowledgements or for a commit between batches: a commit
     (of every record handled so far, once everything they produced was acknowledged) happens when
@@ -94,7 +94,7 @@ async def serve(
     if ready is not None:
         ready()
     loop = asyncio.get_running_loop()
-    acks: list[Awaitable[None]] = []  # of everything queued since the last commit
+    acks: list[Awaitable[None]] = []  # of the records queued last, until known acknowledged
     uncommitted, last_commit = False, loop.time()
     try:
         while not stop.is_set():
@@ -120,13 +120,13 @@ async def serve(
                         on_bad_record(record, error) if on_bad_record else [dead_letter(record, error)]
                     )
                 if send_each and outgoing:
-                    acks.append(await queue_all(bus, outgoing, prefix))
+                    acks = await _queue_after(acks, bus, outgoing, prefix)
                     outgoing = []
             if after_batch is not None:
                 # First: the scheduler's next step plans must not queue behind token records.
                 outgoing = after_batch() + outgoing
             if outgoing:
-                acks.append(await queue_all(bus, outgoing, prefix))
+                acks = await _queue_after(acks, bus, outgoing, prefix)
             uncommitted = uncommitted or bool(records)
             if not records or loop.time() - last_commit >= commit_interval_s:
                 await asyncio.gather(*acks)  # what the handled records produced is in the log
@@ -140,6 +140,19 @@ async def serve(
     finally:
         # On an error, nothing more is committed: what was not is read again after a restart.
         await consumer.stop()
+
+
+async def _queue_after(
+    acks: list[Awaitable[None]], bus: Bus, outgoing: list[Outgoing], prefix: str
+) -> list[Awaitable[None]]:
+    """Queue `outgoing` once everything queued before it was acknowledged; -> the pending acks.
+
+    NOTE: so that a send that failed for good raises before anything later goes out: result N+1
+    must never land after a lost result N. The wait is short: the earlier records had a whole
+    handler call (a step, for the executor) to be acknowledged.
+    """
+    await asyncio.gather(*acks)
+    return [await queue_all(bus, outgoing, prefix)]
 
 
 async def _commit(consumer: Consumer) -> None:

@@ -88,8 +88,28 @@ class TokenizerHandler:
         if isinstance(message, SchedulerAnnouncement):
             return self.on_scheduler_announcement(message)
         if isinstance(message, GeneratedBatch):
-            return [out for event in message.events for out in self.on_tokens(event)]
+            out: list[Outgoing] = []
+            for event in message.events:
+                out += self._tokens_or_error(event)
+            return out
         return self.on_tokens(message)
+
+    def _tokens_or_error(self, event: GeneratedTokens) -> list[Outgoing]:
+        """One event of a step's batch: a failure ends that request only (error event, and the
+        scheduler stops it), never the other requests of the step."""
+        try:
+            return self.on_tokens(event)
+        except Exception as error:
+            open_ = self.streams.get(event.request_id)
+            headers, index = (open_.headers, open_.stream.next_index) if open_ else ((), event.index)
+            if open_ is not None:
+                self._close(event.request_id)
+            self.finished.add(event.request_id)
+            finish = FinishRequest(request_id=event.request_id, reason=FinishReason.ABORT)
+            return [
+                error_event(event.request_id, f"the tokenizer failed on its tokens: {error}", headers, index),
+                Outgoing(topics.TOKENIZED, finish, event.request_id, headers),
+            ]
 
     def on_scheduler_announcement(self, message: SchedulerAnnouncement) -> list[Outgoing]:
         """A new scheduler knows none of the running requests: end their streams."""

@@ -92,6 +92,31 @@ def test_a_steps_batch_of_events_becomes_one_token_event_each_and_a_redelivery_n
     assert handler.on_generated(step) == []  # redelivered
 
 
+def test_a_failure_on_one_event_of_a_batch_ends_that_request_only(stories_frontend, monkeypatch):
+    handler = TokenizerHandler(stories_frontend)
+    for request_id in ("ok", "bad"):
+        handler.on_request(
+            GenerateRequest(request_id=request_id, prompt="Once upon"), (("tp", request_id.encode()),)
+        )
+
+    def broken(message):
+        raise UnicodeDecodeError("utf-8", b"", 0, 1, "broken")
+
+    monkeypatch.setattr(handler.streams["bad"].stream, "update", broken)
+    step = GeneratedBatch(
+        events=(
+            GeneratedTokens(request_id="bad", index=0, token_ids=(5,)),
+            GeneratedTokens(request_id="ok", index=0, token_ids=(5,)),
+        )
+    )
+    error, finish, token = handler.on_generated(step)
+    assert error.topic == topics.TOKENS and error.message.finish_reason == "error"
+    assert "the tokenizer failed" in error.message.error and error.headers == (("tp", b"bad"),)
+    assert finish.topic == topics.TOKENIZED and finish.message.reason == FinishReason.ABORT
+    assert token.message.request_id == "ok" and token.message.token_ids == (5,)  # unaffected
+    assert "bad" not in handler.streams and "ok" in handler.streams
+
+
 def test_chat_messages_use_the_models_chat_template(tmp_path):
     model = make_byte_model(tmp_path / "byte")
     tok = AutoTokenizer.from_pretrained(str(model))
