@@ -277,7 +277,7 @@ class LaunchConfig:
     num_stages: int
 
 
-def choose_launch(head_dim: int, group_pad: int, max_seqlen_q: int) -> LaunchConfig:
+def choose_launch(head_dim: int, group: int, max_seqlen_q: int) -> LaunchConfig:
     """The launch for a head size, following FlashAttention's Triton heuristics.
 
     NOTE: not yet tuned on a GPU (`loadtest/kernel_bench.py --launch-sweep` measures the others).
@@ -287,6 +287,7 @@ def choose_launch(head_dim: int, group_pad: int, max_seqlen_q: int) -> LaunchCon
     prefill tile is compute-bound: more warps for wider heads.
     """
     decode = max_seqlen_q == 1
+    group_pad = _pow2(group)  # query heads per KV head, as the kernel pads them
     block_q = max(1, 16 // group_pad) if decode else max(1, 64 // group_pad)
     if head_dim <= 64:
         return LaunchConfig(block_q, 64, num_warps=4, num_stages=3)
@@ -357,7 +358,7 @@ def paged_attention_varlen(
 
     group = num_q_heads // num_kv_heads
     group_pad = _pow2(group)
-    launch = launch or choose_launch(head_dim, group_pad, max_seqlen_q)
+    launch = launch or choose_launch(head_dim, group, max_seqlen_q)
     block_q, block_n = launch.block_q, launch.block_n
     head_pad = max(16, _pow2(head_dim))
     if num_splits is None:

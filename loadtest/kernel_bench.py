@@ -347,8 +347,7 @@ def sweep(args: argparse.Namespace) -> dict:
     warps, stages = ((4,), (1, 2)) if args.dry_run else (SWEEP_WARPS, SWEEP_STAGES)
     rows = []
     for shape in shapes:
-        group_pad = 1 << (shape.num_q_heads // shape.num_kv_heads - 1).bit_length()
-        chosen = attention_triton.choose_launch(shape.head_dim, group_pad, 1)
+        chosen = attention_triton.choose_launch(shape.head_dim, shape.num_q_heads // shape.num_kv_heads, 1)
         tiles = sorted({chosen.block_n, max(16, chosen.block_n // 2)})
         launches = [
             attention_triton.LaunchConfig(chosen.block_q, n, num_warps=w, num_stages=st)

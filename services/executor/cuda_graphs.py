@@ -92,7 +92,7 @@ class DecodeGraphs:
     ) -> None:
         self.model, self.kv_caches = model, kv_caches
         self.num_kv_heads = model.config.num_key_value_heads
-        self.choose_num_splits = getattr(attention, "choose_num_splits", None)
+        self.choose_num_splits = attention.choose_num_splits
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_size)
         size = self.sizes[-1]
@@ -157,10 +157,7 @@ class DecodeGraphs:
             and md.block_table.shape[1] <= self.max_blocks
             and md.max_seqlen_k <= self.max_model_len
             # Long contexts with few requests want flash-decoding splits, which a graph fixes at 1.
-            and (
-                self.choose_num_splits is None
-                or self.choose_num_splits(md.num_seqs, self.num_kv_heads, 1, md.max_seqlen_k) == 1
-            )
+            and self.choose_num_splits(md.num_seqs, self.num_kv_heads, 1, md.max_seqlen_k) == 1
         )
 
     def run(self, inputs: ModelInputs) -> torch.Tensor:

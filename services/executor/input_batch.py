@@ -79,9 +79,6 @@ class InputBatch:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.requests
-
     def clear(self) -> None:
         for request_id in list(self.requests):
             self.remove(request_id)

@@ -202,9 +202,9 @@ def test_block_sizes(device, block_size):
 
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_launch_per_head_size(head_dim):
-    for group_pad in (1, 4, 8):
-        decode = attention_triton.choose_launch(head_dim, group_pad, max_seqlen_q=1)
-        prefill = attention_triton.choose_launch(head_dim, group_pad, max_seqlen_q=37)
+    for group, group_pad in ((1, 1), (3, 4), (8, 8)):
+        decode = attention_triton.choose_launch(head_dim, group, max_seqlen_q=1)
+        prefill = attention_triton.choose_launch(head_dim, group, max_seqlen_q=37)
         for launch in (decode, prefill):
             assert launch.block_q * group_pad >= 16  # tl.dot's minimum rows
             assert launch.num_warps in (2, 4, 8) and launch.num_stages >= 1
