@@ -13,7 +13,9 @@ budget as vLLM gets, and as many torch threads as vLLM's OMP threads (every CPU 
 On `main`, Parkade also runs as it was before its CPU path (torch attention, bf16 matmuls:
 `baseline`), for the before/after in docs/benchmarks.md. On `prefix` (a shared 256-token prefix),
 Parkade runs with prefix caching off and on, and the ratio of their mean TTFT is reported (vLLM's
-anchor runs both too). Each Parkade run reports a digest of every output token id: equal digests
+anchor runs both too). `--request-rate R` makes Parkade's requests arrive as a seeded Poisson
+process of R per second, as a server sees them (the peers, which cannot, are skipped); TTFT then
+counts from each request's arrival. Each Parkade run reports a digest of every output token id: equal digests
 mean identical greedy tokens. Prints one JSON document.
 """
 
@@ -24,6 +26,7 @@ import hashlib
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 import tempfile
@@ -63,19 +66,32 @@ def parkade_child(args: argparse.Namespace) -> dict:
     executor = engine.core.executor
     init_s = time.perf_counter() - start
 
-    def run(requests: list[dict], tag: str) -> dict:
+    def run(requests: list[dict], tag: str, request_rate: float = 0.0) -> dict:
+        """All requests at once, or (`request_rate` > 0) arriving as a Poisson process of that many
+        requests per second, seeded. TTFT counts from each request's arrival."""
+        rng = random.Random(f"arrivals:{request_rate}")
+        arrival = [0.0] * len(requests)
+        for i in range(1, len(requests)):
+            arrival[i] = arrival[i - 1] + (rng.expovariate(request_rate) if request_rate > 0 else 0.0)
         outputs: dict[str, list[int]] = {}
         first_token: dict[str, float] = {}
+        steps = num_added = 0
         t0 = time.perf_counter()
-        for i, r in enumerate(requests):
-            params = SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True)
-            engine.add_request(f"{tag}{i}", {"prompt_token_ids": r["prompt_token_ids"]}, params)
-        steps = 0
-        while engine.has_unfinished_requests():
+        while num_added < len(requests) or engine.has_unfinished_requests():
+            now = time.perf_counter() - t0
+            while num_added < len(requests) and arrival[num_added] <= now:
+                r = requests[num_added]
+                params = SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True)
+                engine.add_request(f"{tag}{num_added}", {"prompt_token_ids": r["prompt_token_ids"]}, params)
+                num_added += 1
+            if not engine.has_unfinished_requests():
+                time.sleep(max(0.0, arrival[num_added] - now))  # idle until the next arrival
+                continue
             steps += 1
             for out in engine.step():
+                i = int(out.request_id.removeprefix(tag))
                 if out.request_id not in first_token and out.outputs[0].token_ids:
-                    first_token[out.request_id] = time.perf_counter() - t0
+                    first_token[out.request_id] = time.perf_counter() - t0 - arrival[i]
                 if out.finished:
                     outputs[out.request_id] = list(out.outputs[0].token_ids)
         wall = time.perf_counter() - t0
@@ -89,6 +105,8 @@ def parkade_child(args: argparse.Namespace) -> dict:
             "steps": steps,
             "ttft_mean_s": round(sum(ttft) / len(ttft), 4),
             "ttft_p50_s": round(ttft[len(ttft) // 2], 4),
+            "ttft_p90_s": round(ttft[len(ttft) * 9 // 10], 4),
+            "request_rate": request_rate or "all at once",
             "length_mismatches": sum(len(o) != r["output_len"] for o, r in zip(ids, requests, strict=True)),
             "tokens_digest": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
             "request_digests": [hashlib.sha256(json.dumps(o).encode()).hexdigest()[:8] for o in ids],
@@ -104,7 +122,7 @@ def parkade_child(args: argparse.Namespace) -> dict:
         "attention_backend": executor.attention_backend.__name__.rsplit(".", 1)[-1],
         "fp32_matmuls": executor.fp32_matmuls,
     }
-    result[args.workload] = run(bc.make_workload(args.workload, vocab), "req-")
+    result[args.workload] = run(bc.make_workload(args.workload, vocab), "req-", args.request_rate)
     return result
 
 
@@ -126,6 +144,11 @@ def main() -> None:
     parser.add_argument("--workload", choices=["main", "prefix"], default="main")
     parser.add_argument("--prefix-caching", action="store_true", help="main: Parkade and vLLM both cache")
     parser.add_argument("--dtype", default="auto", help="Parkade's (and vLLM's) dtype; auto: the model's")
+    parser.add_argument(
+        "--request-rate", type=float, default=0.0,
+        help="Parkade only: requests arrive as a seeded Poisson process of this many per second "
+        "(TTFT from arrival); 0: all at once, as the anchors run them",
+    )  # fmt: skip
     parser.add_argument("--skip", default="", help="comma list of: vllm, naive, parkade, baseline")
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)  # child: before/after
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
@@ -136,6 +159,8 @@ def main() -> None:
         return
 
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if args.request_rate:
+        skip |= {"vllm", "naive"}  # the anchors' scripts submit everything at once
     prefix = args.workload == "prefix"
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,6 +186,7 @@ def main() -> None:
                 continue
             command = [sys.executable, __file__, "--model", args.model, "--anchors", str(args.anchors),
                        "--workload", args.workload, "--dtype", args.dtype,
+                       "--request-rate", str(args.request_rate),
                        "--child-out", str(out), *extra]  # fmt: skip
             results[name] = run_json(command, out)
 

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from parkade.services.scheduler.block_pool import BlockPool
-from parkade.services.scheduler.request import BlockHash, Request
+from parkade.services.scheduler.request import BlockHash, Request, hash_block
 
 _NO_BLOCKS: tuple[int, ...] = ()  # what a step that needs no new block gets
 
@@ -94,6 +94,8 @@ class KVCacheManager:
             computed_block_ids or num_reserved_tokens
         ):
             return _NO_BLOCKS  # the decode fast path: the last block has room and fills no block
+        if not (computed_block_ids or num_reserved_tokens):
+            return self._grow(request, request.num_computed_tokens + num_new_tokens)
         table = request.block_ids
         num_computed = request.num_computed_tokens + len(computed_block_ids) * self.block_size
         num_total = num_computed + num_new_tokens + num_reserved_tokens
@@ -109,6 +111,23 @@ class KVCacheManager:
         if table:
             self.block_tables[request.request_id] = table
         self._cache_full_blocks(request, table, num_computed + num_new_tokens)
+        self._set_noop_until(request)
+        return new_block_ids
+
+    def _grow(self, request: Request, num_tokens: int) -> Sequence[int] | None:
+        """`allocate_slots` without prefix hits or reservation (a decode that fills or needs a
+        block, a prefill chunk): room for `num_tokens` tokens in all."""
+        table = request.block_ids
+        num_needed = cdiv(num_tokens, self.block_size) - len(table)
+        if num_needed > 0:
+            if num_needed > self.pool.num_free_blocks:
+                return None
+            new_block_ids = self.pool.allocate(num_needed)
+            table.extend(new_block_ids)
+            self.block_tables[request.request_id] = table  # (already there unless it was empty)
+        else:
+            new_block_ids = _NO_BLOCKS
+        self._cache_full_blocks(request, table, num_tokens)
         self._set_noop_until(request)
         return new_block_ids
 
@@ -134,10 +153,15 @@ class KVCacheManager:
         start = request.num_hashed_blocks
         if num_full <= start:
             return
-        hashes = request.update_block_hashes()
+        # Hash the blocks not hashed yet here, so that each block's token tuple is built once.
+        # (len(hashes) >= start: a request hashes its blocks in order and never forgets one.)
+        hashes = request.block_hashes
         for i in range(start, num_full):
+            token_ids = request.block_token_ids(i)
             parent = hashes[i - 1] if i > 0 else None
-            self.pool.cache_block(table[i], hashes[i], parent, request.block_token_ids(i))
+            if i == len(hashes):
+                hashes.append(hash_block(parent, token_ids))
+            self.pool.cache_block(table[i], hashes[i], parent, token_ids)
         request.num_hashed_blocks = num_full
 
     def free(self, request: Request, num_computed_tokens: int | None = None) -> None:
