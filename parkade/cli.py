@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import dataclasses
 import importlib
+import logging
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -152,8 +153,10 @@ async def _stream(
     """Send one request and write its text to stdout as it comes; -> exit code (1 on an error event)."""
     from aiokafka.errors import KafkaConnectionError
 
-    from parkade.client import Client
+    from parkade.client import Client, PipelineGoneError
 
+    # aiokafka logs every failed reconnection; the user gets one line from us instead.
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     client = Client(bootstrap, prefix)
     try:
         await client.start()
@@ -172,6 +175,9 @@ async def _stream(
     except TimeoutError:
         await client.cancel(request_id)
         print(f"\nparkade generate: no answer within {timeout_s}s; request cancelled", file=sys.stderr)
+        return 1
+    except PipelineGoneError as error:
+        print(f"\nparkade generate: {error}", file=sys.stderr)
         return 1
     except asyncio.CancelledError:  # Ctrl-C
         await client.cancel(request_id)

@@ -5,16 +5,25 @@
             print(event.text, end="")
 
 The client reads the tokens topic itself (no consumer group: every client sees every event and
-keeps those of its own requests), starting from its end before it sends anything.
+keeps those of its own requests), starting from its end before it sends anything. An event
+whose trace context (`traceparent` header) is not its request's belongs to another request with
+the same id, and is not its stream's.
+
+A stream never waits forever: it ends with `PipelineGoneError` when the broker stops answering
+(probed whenever no record came for `PROBE_S`), or when no event of the request came for
+`idle_timeout_s` (by then a live pipeline would have answered, if only with an error), and with
+`TimeoutError` past its own `timeout_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -24,9 +33,27 @@ from parkade.schemas import AbortRequest, ChatMessage, GenerateRequest, Sampling
 from parkade.services.bus.base import Bus, Outgoing
 from parkade.services.bus.serve import send_all
 
+log = logging.getLogger(__name__)
+
+# Seconds without a record after which the client asks the broker whether it is still there.
+PROBE_S = 2.0
+# Seconds without an event of an open request after which its stream ends: longer than the
+# scheduler takes to declare an executor lost (15 s) and to give up waiting for one (60 s).
+DEFAULT_IDLE_TIMEOUT_S = 90.0
+
 
 class NoBrokerError(RuntimeError):
     """No broker was given and none could be found."""
+
+
+class PipelineGoneError(ConnectionError):
+    """The broker stopped answering, or the pipeline stopped answering for a request."""
+
+
+@dataclass
+class _Stream:
+    traceparent: bytes
+    queue: asyncio.Queue[TokenEvent | BaseException] = field(default_factory=asyncio.Queue)
 
 
 def find_broker(bootstrap_servers: str | None = None, topic_prefix: str | None = None) -> tuple[str, str]:
@@ -58,6 +85,7 @@ class Client:
         topic_prefix: str | None = None,
         *,
         bus: Bus | None = None,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
         """Talk to the broker `bootstrap_servers` (default: see `find_broker`), or over `bus`."""
         if bus is None:
@@ -68,7 +96,8 @@ class Client:
         self.bus = bus
         self.bootstrap_servers = bootstrap_servers
         self.prefix = topic_prefix or topics.DEFAULT_PREFIX
-        self._streams: dict[str, asyncio.Queue[TokenEvent | BaseException]] = {}
+        self.idle_timeout_s = idle_timeout_s
+        self._streams: dict[str, _Stream] = {}
         self._reader: asyncio.Task[None] | None = None
         self._decoder = topics.decoder(topics.TOKENS)
 
@@ -79,29 +108,45 @@ class Client:
         self._reader = asyncio.create_task(self._read(consumer))
 
     async def _read(self, consumer: Any) -> None:
+        loop = asyncio.get_running_loop()
+        last_record = loop.time()
         try:
             while True:
-                for record in await consumer.getmany(timeout_ms=100):
+                records = await consumer.getmany(timeout_ms=100)
+                if records:
+                    last_record = loop.time()
+                elif self._streams and loop.time() - last_record > PROBE_S:
+                    # aiokafka retries a lost connection without end: ask the broker directly.
+                    await self.bus.ping(timeout_s=PROBE_S)
+                    last_record = loop.time()
+                for record in records:
                     try:
                         event = self._decoder.decode(record.value)
                     except (msgspec.DecodeError, msgspec.ValidationError):
                         continue  # not ours to judge: the services write this topic
-                    queue = self._streams.get(event.request_id)
-                    if queue is not None:
-                        queue.put_nowait(event)
+                    stream = self._streams.get(event.request_id)
+                    traceparent = record.header("traceparent")
+                    if stream is not None and traceparent in (None, stream.traceparent):
+                        stream.queue.put_nowait(event)
         except Exception as error:  # a broken connection ends every open stream, never a hang
-            for queue in self._streams.values():
-                queue.put_nowait(error)
+            gone = PipelineGoneError(f"lost the broker at {self.bootstrap_servers}: {error}")
+            for stream in self._streams.values():
+                stream.queue.put_nowait(gone)
             raise
         finally:
-            await consumer.stop()
+            with contextlib.suppress(Exception):
+                await consumer.stop()
 
     async def stop(self) -> None:
+        """Close; never raises (the broker may be gone already)."""
         if self._reader is not None:
             self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
-        await self.bus.close()
+        try:
+            await self.bus.close()
+        except Exception as error:
+            log.debug("closing the client's bus: %s", error)
 
     async def __aenter__(self) -> Client:
         await self.start()
@@ -120,8 +165,11 @@ class Client:
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
-        """Send a generate request; its events are kept for `stream(request_id)`."""
+        """Send a generate request; its events are kept for `stream(request_id)`. A request id
+        this client is streaming already is refused (ValueError)."""
         assert self._reader is not None, "start the client first (async with Client(...))"
+        if request_id is not None and request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is being streamed by this client already")
         request = GenerateRequest(
             request_id=request_id or uuid.uuid4().hex,
             prompt=prompt,
@@ -130,22 +178,26 @@ class Client:
             sampling_params=sampling_params or SamplingParams(),
             priority=priority,
         )
-        self._streams[request.request_id] = asyncio.Queue()
-        headers = (("traceparent", new_traceparent()),)
+        traceparent = new_traceparent()
+        self._streams[request.request_id] = _Stream(traceparent)
+        headers = (("traceparent", traceparent),)
         await send_all(
             self.bus, [Outgoing(topics.REQUESTS, request, request.request_id, headers)], self.prefix
         )
         return request.request_id
 
-    async def stream(self, request_id: str) -> AsyncIterator[TokenEvent]:
+    async def stream(self, request_id: str, timeout_s: float | None = None) -> AsyncIterator[TokenEvent]:
         """The request's events, in order, until the one with a finish_reason. Leaving early
-        (break, cancellation) aborts the request, as vLLM's streaming APIs do."""
-        queue = self._streams[request_id]
+        (break, cancellation, `timeout_s` passed: TimeoutError) aborts the request, as vLLM's
+        streaming APIs do. PipelineGoneError when nothing answers any more (see the module)."""
+        queue = self._streams[request_id].queue
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         finished = False
         next_index = 0
         try:
             while not finished:
-                event = await queue.get()
+                event = await self._next_event(queue, request_id, deadline)
                 if isinstance(event, BaseException):
                     raise event
                 if event.token_ids and event.index < next_index:
@@ -158,16 +210,35 @@ class Client:
             if not finished:
                 await self.cancel(request_id)
 
-    async def generate(self, **kwargs: Any) -> AsyncIterator[TokenEvent]:
-        """`submit` then `stream`: same arguments as `submit`."""
+    async def _next_event(
+        self, queue: asyncio.Queue[TokenEvent | BaseException], request_id: str, deadline: float | None
+    ) -> TokenEvent | BaseException:
+        """The next event, within the idle timeout and the request's deadline."""
+        loop = asyncio.get_running_loop()
+        wait = self.idle_timeout_s if deadline is None else min(self.idle_timeout_s, deadline - loop.time())
+        try:
+            return await asyncio.wait_for(queue.get(), max(wait, 0.0))
+        except TimeoutError:
+            if deadline is not None and loop.time() >= deadline:
+                raise TimeoutError(f"request {request_id} passed its timeout") from None
+            raise PipelineGoneError(
+                f"no event for request {request_id} in {self.idle_timeout_s:g} s: is the pipeline running?"
+            ) from None
+
+    async def generate(self, *, timeout_s: float | None = None, **kwargs: Any) -> AsyncIterator[TokenEvent]:
+        """`submit` then `stream`: the arguments of `submit`, and `stream`'s `timeout_s`."""
         request_id = await self.submit(**kwargs)
-        async for event in self.stream(request_id):
+        async for event in self.stream(request_id, timeout_s):
             yield event
 
     async def cancel(self, request_id: str) -> None:
-        """Abort a request; its stream ends with finish_reason "abort"."""
-        await send_all(
-            self.bus,
-            [Outgoing(topics.REQUESTS, AbortRequest(request_id=request_id), request_id)],
-            self.prefix,
-        )
+        """Abort a request; its stream ends with finish_reason "abort". Never raises: on the
+        way out, a broker that is gone has nothing to abort."""
+        try:
+            await send_all(
+                self.bus,
+                [Outgoing(topics.REQUESTS, AbortRequest(request_id=request_id), request_id)],
+                self.prefix,
+            )
+        except Exception as error:
+            log.debug("could not cancel request %s: %s", request_id, error)

@@ -10,8 +10,13 @@
 
 Children run in their own sessions, so that Ctrl-C reaches only this process and the shutdown
 keeps its order: services first (they commit offsets on the way out), then the broker. Each
-child's output goes to $PARKADE_HOME/logs/<name>.log (last run only); its last lines are shown if
-it fails.
+child's output goes to $PARKADE_HOME/logs/<name>.log (this run's; a restart appends); its last
+lines are shown if it fails.
+
+Supervision: a service that exits while serving is restarted, after a backoff that doubles with
+each quick failure (1 s up to 30 s; back to 1 s after a minute of running), and its log gets a
+line with the restart count; its work waits in the topics meanwhile. The broker exiting stops
+everything: the topics lived in its memory.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ from parkade.services.tokenizer import main as tokenizer_main
 
 STOP_TIMEOUT_S = 20.0
 _TAIL_LINES = 20
+RESTART_BACKOFF_S = (1.0, 30.0)  # the first wait, the longest
+RESTART_RESET_S = 60.0  # a service that ran this long starts again from the first wait
 
 # Each service's own flags (its `main.FLAGS`, made from its options class): `parkade up` takes
 # them all and hands each service its own (`service_argv`), so a new option reaches its service
@@ -133,9 +140,11 @@ class Child:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=_TAIL_LINES))
     pump: asyncio.Task[None] | None = None
+    cmd: list[str] = field(default_factory=list)
+    restarts: int = 0  # of this service, this run
 
     @classmethod
-    async def start(cls, name: str, cmd: list[str], log_dir: Path) -> Child:
+    async def start(cls, name: str, cmd: list[str], log_dir: Path, *, restarts: int = 0) -> Child:
         proc = await asyncio.create_subprocess_exec(
             *cmd,
             stdin=asyncio.subprocess.DEVNULL,
@@ -146,13 +155,15 @@ class Child:
             preexec_fn=_die_with_parent,
             limit=2**20,  # longest output line
         )
-        child = cls(name, proc, log_dir / f"{name}.log")
+        child = cls(name, proc, log_dir / f"{name}.log", cmd=cmd, restarts=restarts)
         child.pump = asyncio.create_task(child._pump())
         return child
 
     async def _pump(self) -> None:
         assert self.proc.stdout is not None
-        with self.log_path.open("w") as log:
+        with self.log_path.open("a" if self.restarts else "w") as log:
+            if self.restarts:
+                log.write(f"parkade up: restart {self.restarts} of the {self.name} (pid {self.proc.pid})\n")
             async for raw in self.proc.stdout:
                 line = raw.decode(errors="replace").rstrip("\n")
                 log.write(line + "\n")
@@ -234,8 +245,42 @@ async def _serve(args: argparse.Namespace, children: list[Child], stop: asyncio.
     }
     write_state(state)
     _print_instructions(bootstrap, args.topic_prefix, args.model, log_dir)
-    await _until(_first_exit(children), stop, None)  # the broker too: without it nothing works
+    await _until(_supervise(children, log_dir, state), stop, None)
     return stop.is_set()
+
+
+async def _supervise(children: list[Child], log_dir: Path, state: dict) -> bool:
+    """Restart each service that exits (see the module); -> False once the broker exits."""
+    loop = asyncio.get_running_loop()
+    started = {c.name: loop.time() for c in children}
+    backoff = {c.name: RESTART_BACKOFF_S[0] for c in children}
+    while True:
+        waits = {asyncio.ensure_future(c.exited()): c for c in children}
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+        for task in done:
+            child = waits[task]
+            print(child.report(f"exited with code {task.result()}"), file=sys.stderr)
+            if child.name == "broker":
+                return False  # the topics lived in its memory: nothing can go on
+            if loop.time() - started[child.name] >= RESTART_RESET_S:
+                backoff[child.name] = RESTART_BACKOFF_S[0]
+            wait_s = backoff[child.name]
+            backoff[child.name] = min(2 * wait_s, RESTART_BACKOFF_S[1])
+            print(
+                f"parkade up: restarting the {child.name} in {wait_s:g}s (restart {child.restarts + 1})",
+                file=sys.stderr,
+                flush=True,
+            )
+            await asyncio.sleep(wait_s)
+            fresh = await Child.start(child.name, child.cmd, log_dir, restarts=child.restarts + 1)
+            children[children.index(child)] = fresh
+            started[child.name] = loop.time()
+            state["pids"][child.name] = fresh.proc.pid
+            write_state(state)
 
 
 async def _stop_all(children: list[Child]) -> bool:
@@ -328,17 +373,6 @@ async def _all_ready(services: list[Child]) -> bool:
             return False
         exited.cancel()
     return True
-
-
-async def _first_exit(children: list[Child]) -> bool:
-    """Wait until a child exits by itself: a failure, as they run until they are stopped."""
-    waits = {asyncio.ensure_future(c.exited()): c for c in children}
-    done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    for task in pending:
-        task.cancel()
-    task = done.pop()
-    print(waits[task].report(f"exited with code {task.result()}"), file=sys.stderr)
-    return False
 
 
 def _print_instructions(bootstrap: str, prefix: str, model: Path, log_dir: Path) -> None:

@@ -86,8 +86,9 @@ class GeneratedBatch(msgspec.Struct, frozen=True, kw_only=True, tag="generated_b
 
 
 class SchedulerAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="scheduler_announcement"):
-    """Sent by a scheduler when it starts, on the generated topic. A new `scheduler_id` means the
-    requests of the one before are gone (its page table lived in memory): the tokenizer ends
-    their streams with an error."""
+    """Sent by a scheduler when it starts, on the generated topic. With `resumes`, it carries on
+    the requests of the one before (it rebuilt them from the log); without, a new `scheduler_id`
+    means they are gone, and the tokenizer ends their streams with an error."""
 
     scheduler_id: str
+    resumes: bool = False

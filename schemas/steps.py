@@ -62,6 +62,10 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True, tag="step_plan"):
     # The scheduler that made it: step ids count per scheduler, and a new scheduler (a restart)
     # starts from an empty page table, so the executor drops the old one's requests.
     scheduler_id: str = ""
+    # The generation of the executor's request state this plan builds on. The scheduler moves it
+    # on whenever it recomputes every request (a failed step, an executor it lost and found
+    # again); the executor drops its request state on a newer epoch and ignores older plans.
+    epoch: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -76,6 +80,11 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
     sampled_token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprobs | None, ...] | None = None
     executor_id: str = ""
+    scheduler_id: str = ""  # the plan's: step ids count per scheduler
+    epoch: int = 0  # the plan's
+    # Set when the step raised: nothing was sampled, and the executor dropped its request state
+    # and moved to epoch + 1 (the scheduler recomputes every request there).
+    error: str | None = None
 
 
 class ExecutorAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="executor_announcement"):

@@ -21,8 +21,9 @@ from parkade.schemas.events import TokenEvent
 from parkade.schemas.requests import AbortRequest, GenerateRequest
 from parkade.schemas.steps import ExecutorAnnouncement, StepPlan, StepResult
 
-# Sent in every record's `parkade-schema` header. 2: the generated topic carries GeneratedBatch.
-SCHEMA_VERSION = 2
+# Sent in every record's `parkade-schema` header. 2: the generated topic carries GeneratedBatch;
+# 3: step plans and results carry an epoch, and a result an error.
+SCHEMA_VERSION = 3
 DEFAULT_PREFIX = "parkade."
 
 REQUESTS = "requests"  # client -> tokenizer, keyed by request_id

@@ -40,6 +40,15 @@ class OutgoingRecord:
     headers: Headers = ()
 
 
+class RecordRejected(Exception):
+    """The broker (or the producer, before it) refused this one record for what it is, too
+    large or malformed: sending it again would fail the same way."""
+
+
+# What became of one record sent: its offset in its topic, or why the broker refused it.
+Outcome = int | RecordRejected
+
+
 class CommitError(RuntimeError):
     """The offsets could not be committed (e.g. a rebalance took the partitions away)."""
 
@@ -60,8 +69,9 @@ class Consumer(Protocol):
         """The next records, in offset order per partition; [] after timeout_ms without any."""
         ...
 
-    async def commit(self) -> None:
-        """Mark every record returned so far as handled (at-least-once: call after handling)."""
+    async def commit(self, offsets: dict[str, int]) -> None:
+        """Store the group's offsets: topic (full name; partition 0) -> the next offset to read
+        after a restart. At-least-once: never past a record that is not handled yet."""
         ...
 
     async def stop(self) -> None: ...
@@ -75,21 +85,44 @@ class Bus(Protocol):
         ...
 
     async def send_many(self, records: list[OutgoingRecord]) -> None:
-        """Send records in order (per partition); returns once the broker has them all."""
+        """Send records in order (per partition); returns once the broker has them all, and raises
+        `RecordRejected` if it refused one."""
         ...
 
-    async def queue_many(self, records: list[OutgoingRecord]) -> Awaitable[None]:
-        """Queue records in order (per partition) and return at once; the returned awaitable
-        completes once the broker has them all, and raises if it refused one."""
+    async def queue_many(self, records: list[OutgoingRecord]) -> Awaitable[list[Outcome]]:
+        """Queue records in order (per partition) and return at once. The returned awaitable
+        completes once the broker has them all, with one entry per record: its offset, or the
+        `RecordRejected` of a record refused for what it is (too large); it raises for any other
+        failure (the broker is away), after which nothing later may be sent."""
         ...
 
-    async def consumer(self, topics: list[str], group_id: str | None, *, from_end: bool = False) -> Consumer:
+    async def consumer(
+        self,
+        topics: list[str],
+        group_id: str | None,
+        *,
+        from_end: bool = False,
+        start: dict[str, int] | None = None,
+    ) -> Consumer:
         """A started consumer. `group_id` None: no group, no commits (a client's private view);
-        `from_end`: skip what is already in the topics."""
+        `from_end`: skip what is already in the topics; `start`: (no group) from these offsets."""
+        ...
+
+    async def save_progress(self, group_id: str, topic: str, offset: int) -> None:
+        """Keep one offset under (group, topic), for a service's own bookkeeping (where to read a
+        topic it writes from, after a restart): the group never consumes that topic."""
+        ...
+
+    async def load_progress(self, group_id: str, topic: str) -> int | None:
+        """The offset kept by `save_progress`; None if none was."""
         ...
 
     async def create_topics(self, topics: list[str]) -> None:
         """Create the topics that do not exist yet."""
+        ...
+
+    async def ping(self, timeout_s: float) -> None:
+        """Return once the broker answers; raise ConnectionError if it does not within `timeout_s`."""
         ...
 
     async def close(self) -> None: ...

@@ -17,15 +17,45 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import (
     CommitFailedError,
+    CorruptRecordException,
     IllegalStateError,
     KafkaConnectionError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
     TopicAlreadyExistsError,
 )
 
-from parkade.services.bus.base import CommitError, Headers, OutgoingRecord, Record
+from parkade.services.bus.base import CommitError, Headers, Outcome, OutgoingRecord, Record, RecordRejected
 
 # Latency matters more than batching: a step plan waits on every hop.
 _CONSUMER_SETTINGS = dict(fetch_max_wait_ms=20, enable_auto_commit=False, auto_offset_reset="earliest")
+
+
+# Errors that are one record's own (its size, its bytes): the others (the broker is away, a
+# timeout) fail every record alike and end the service, whose records are then read again.
+_RECORD_ERRORS = (
+    MessageSizeTooLargeError,
+    RecordTooLargeError,
+    RecordListTooLargeError,
+    CorruptRecordException,
+)
+
+
+async def _completed(value: object) -> object:
+    return value
+
+
+async def _outcomes(acks: list[Awaitable[object]]) -> list[Outcome]:
+    outcomes: list[Outcome] = []
+    for result in await asyncio.gather(*acks, return_exceptions=True):
+        if isinstance(result, _RECORD_ERRORS):
+            outcomes.append(RecordRejected(f"{type(result).__name__}: {result}"))
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            outcomes.append(result.offset)  # RecordMetadata
+    return outcomes
 
 
 class TopicLayoutError(ValueError):
@@ -45,10 +75,10 @@ class KafkaConsumer:
             for m in records
         ]
 
-    async def commit(self) -> None:
-        if self._group_id is not None:
+    async def commit(self, offsets: dict[str, int]) -> None:
+        if self._group_id is not None and offsets:
             try:
-                await self._consumer.commit()
+                await self._consumer.commit({TopicPartition(t, 0): o for t, o in offsets.items()})
             except (CommitFailedError, IllegalStateError) as error:
                 raise CommitError(str(error)) from error
 
@@ -57,19 +87,27 @@ class KafkaConsumer:
 
 
 class KafkaBus:
-    def __init__(self, bootstrap_servers: str, client_id: str = "parkade") -> None:
+    def __init__(
+        self, bootstrap_servers: str, client_id: str = "parkade", *, idempotence: bool = False
+    ) -> None:
+        """`idempotence`: the producer's, so that a retried send is never written twice; Apache
+        Kafka has it, Tansu's memory mode does not (its producers fail at their first send)."""
         self.bootstrap_servers = bootstrap_servers
         self.client_id = client_id
+        self.idempotence = idempotence
         self._producer: AIOKafkaProducer | None = None
+        self._progress: dict[tuple[str, str], AIOKafkaConsumer] = {}
 
     async def _started_producer(self) -> AIOKafkaProducer:
         if self._producer is None:
+            # acks="all": a record counts as sent once every in-sync replica has it, so that a
+            # leader's failover cannot lose what was acknowledged (and then committed past).
             producer = AIOKafkaProducer(
                 bootstrap_servers=self.bootstrap_servers,
                 client_id=self.client_id,
                 linger_ms=0,
-                enable_idempotence=False,
-                acks=1,
+                enable_idempotence=self.idempotence,
+                acks="all",
             )
             await producer.start()
             self._producer = producer
@@ -82,7 +120,12 @@ class KafkaBus:
         await producer.send_and_wait(topic, value, key=key, headers=list(headers))
 
     async def consumer(
-        self, topics: list[str], group_id: str | None, *, from_end: bool = False
+        self,
+        topics: list[str],
+        group_id: str | None,
+        *,
+        from_end: bool = False,
+        start: dict[str, int] | None = None,
     ) -> KafkaConsumer:
         consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap_servers,
@@ -102,20 +145,30 @@ class KafkaBus:
             if from_end:
                 await consumer.seek_to_end(*partitions)
             for tp in partitions:
+                if start and tp.topic in start:
+                    consumer.seek(tp, start[tp.topic])
+            for tp in partitions:
                 await consumer.position(tp)  # resolve now, so nothing sent after this is missed
         else:
             consumer.subscribe(topics)
         return KafkaConsumer(consumer, group_id)
 
     async def send_many(self, records: list[OutgoingRecord]) -> None:
-        await (await self.queue_many(records))
+        for outcome in await (await self.queue_many(records)):
+            if isinstance(outcome, RecordRejected):
+                raise outcome
 
-    async def queue_many(self, records: list[OutgoingRecord]) -> Awaitable[None]:
+    async def queue_many(self, records: list[OutgoingRecord]) -> Awaitable[list[Outcome]]:
         # Queue them all, then wait: one round trip for the batch rather than one per record.
         # The producer keeps the order within a partition.
         producer = await self._started_producer()
-        acks = [await producer.send(r.topic, r.value, key=r.key, headers=list(r.headers)) for r in records]
-        return asyncio.gather(*acks)
+        acks: list[Awaitable[object]] = []
+        for r in records:
+            try:
+                acks.append(await producer.send(r.topic, r.value, key=r.key, headers=list(r.headers)))
+            except _RECORD_ERRORS as error:  # the producer's own size check
+                acks.append(_completed(error))
+        return _outcomes(acks)
 
     async def create_topics(self, topics: list[str]) -> None:
         """Create missing topics with one partition each, and refuse existing ones with more.
@@ -142,7 +195,37 @@ class KafkaBus:
         finally:
             await admin.close()
 
+    async def save_progress(self, group_id: str, topic: str, offset: int) -> None:
+        consumer = await self._progress_consumer(group_id, topic)
+        await consumer.commit({TopicPartition(topic, 0): offset})
+
+    async def load_progress(self, group_id: str, topic: str) -> int | None:
+        consumer = await self._progress_consumer(group_id, topic)
+        return await consumer.committed(TopicPartition(topic, 0))
+
+    async def _progress_consumer(self, group_id: str, topic: str) -> AIOKafkaConsumer:
+        """A consumer of `group_id` assigned `topic` by hand: it only commits, never reads (a
+        group's offsets are where Kafka keeps small durable numbers)."""
+        consumer = self._progress.get((group_id, topic))
+        if consumer is None:
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.bootstrap_servers,
+                client_id=self.client_id,
+                group_id=group_id,
+                enable_auto_commit=False,
+            )
+            await consumer.start()
+            consumer.assign([TopicPartition(topic, 0)])
+            self._progress[(group_id, topic)] = consumer
+        return consumer
+
+    async def ping(self, timeout_s: float) -> None:
+        await wait_for_broker(self.bootstrap_servers, timeout_s=timeout_s)
+
     async def close(self) -> None:
+        for consumer in self._progress.values():
+            await consumer.stop()
+        self._progress.clear()
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None

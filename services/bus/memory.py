@@ -10,15 +10,22 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-from parkade.services.bus.base import Headers, OutgoingRecord, Record
+from parkade.services.bus.base import Headers, Outcome, OutgoingRecord, Record, RecordRejected
 
 
 class MemoryConsumer:
-    def __init__(self, bus: MemoryBus, topics: list[str], group_id: str | None, from_end: bool) -> None:
+    def __init__(
+        self,
+        bus: MemoryBus,
+        topics: list[str],
+        group_id: str | None,
+        from_end: bool,
+        start: dict[str, int] | None = None,
+    ) -> None:
         self.bus = bus
         self.topics = topics
         self.group_id = group_id
-        committed = bus.offsets.get(group_id, {}) if group_id else {}
+        committed = bus.offsets.get(group_id, {}) if group_id else (start or {})
         for topic in topics:
             bus.topics.setdefault(topic, [])
         self.positions = {t: len(bus.topics[t]) if from_end else committed.get(t, 0) for t in topics}
@@ -40,18 +47,20 @@ class MemoryConsumer:
     def _available(self) -> bool:
         return any(len(self.bus.topics[t]) > self.positions[t] for t in self.topics)
 
-    async def commit(self) -> None:
+    async def commit(self, offsets: dict[str, int]) -> None:
         if self.group_id is not None:
-            self.bus.offsets.setdefault(self.group_id, {}).update(self.positions)
+            self.bus.offsets.setdefault(self.group_id, {}).update(offsets)
 
     async def stop(self) -> None:
         pass
 
 
 class MemoryBus:
-    def __init__(self) -> None:
+    def __init__(self, max_record_bytes: int | None = None) -> None:
+        self.max_record_bytes = max_record_bytes  # a broker's size limit, for tests
         self.topics: dict[str, list[Record]] = {}
         self.offsets: dict[str, dict[str, int]] = {}  # group -> topic -> next offset
+        self.progress: dict[tuple[str, str], int] = {}  # (group, topic) -> a service's own offset
         self.changed = asyncio.Condition()
 
     async def send(
@@ -63,23 +72,44 @@ class MemoryBus:
             self.changed.notify_all()
 
     async def consumer(
-        self, topics: list[str], group_id: str | None, *, from_end: bool = False
+        self,
+        topics: list[str],
+        group_id: str | None,
+        *,
+        from_end: bool = False,
+        start: dict[str, int] | None = None,
     ) -> MemoryConsumer:
-        return MemoryConsumer(self, topics, group_id, from_end)
+        return MemoryConsumer(self, topics, group_id, from_end, start)
+
+    async def save_progress(self, group_id: str, topic: str, offset: int) -> None:
+        self.progress[(group_id, topic)] = offset
+
+    async def load_progress(self, group_id: str, topic: str) -> int | None:
+        return self.progress.get((group_id, topic))
 
     async def send_many(self, records: list[OutgoingRecord]) -> None:
-        for r in records:
-            await self.send(r.topic, r.value, key=r.key, headers=r.headers)
+        for outcome in await (await self.queue_many(records)):
+            if isinstance(outcome, RecordRejected):
+                raise outcome
 
-    async def queue_many(self, records: list[OutgoingRecord]) -> Awaitable[None]:
-        await self.send_many(records)  # in memory: had at once
+    async def queue_many(self, records: list[OutgoingRecord]) -> Awaitable[list[Outcome]]:
+        outcomes: list[Outcome] = []
+        for r in records:  # in memory: had at once, unless over the size limit
+            if self.max_record_bytes is not None and len(r.value) > self.max_record_bytes:
+                outcomes.append(RecordRejected(f"{len(r.value)} bytes, over {self.max_record_bytes}"))
+                continue
+            await self.send(r.topic, r.value, key=r.key, headers=r.headers)
+            outcomes.append(len(self.topics[r.topic]) - 1)
         done = asyncio.get_running_loop().create_future()
-        done.set_result(None)
+        done.set_result(outcomes)
         return done
 
     async def create_topics(self, topics: list[str]) -> None:
         for topic in topics:
             self.topics.setdefault(topic, [])
+
+    async def ping(self, timeout_s: float) -> None:
+        pass  # always there
 
     async def close(self) -> None:
         pass

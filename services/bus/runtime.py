@@ -44,6 +44,13 @@ def service_parser(name: str, description: str | None) -> argparse.ArgumentParse
     )
     parser.add_argument("--topic-prefix", default=DEFAULT_PREFIX, help=f"(default: {DEFAULT_PREFIX})")
     parser.add_argument(
+        "--idempotence",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("PARKADE_KAFKA_IDEMPOTENCE", "") in ("1", "true", "yes"),
+        help="idempotent producing (Apache Kafka; not Tansu's memory mode). Default: off, or "
+        "$PARKADE_KAFKA_IDEMPOTENCE=1",
+    )
+    parser.add_argument(
         "--broker-wait",
         type=float,
         default=BROKER_WAIT_S,
@@ -78,6 +85,7 @@ def run_service(
             f"parkade-{name}",
             lambda bus: serve(bus, handler, prefix=args.topic_prefix, stop=stop, ready=_announce_ready(name)),
             wait_s=args.broker_wait,
+            idempotence=args.idempotence,
         )
 
     from parkade.services.bus.kafka import BrokerUnreachableError, TopicLayoutError
@@ -101,12 +109,13 @@ async def on_kafka(
     serve: Callable[[Any], Awaitable[None]],
     *,
     wait_s: float = BROKER_WAIT_S,
+    idempotence: bool = False,
 ) -> None:
     """Wait for the broker, create any missing topic, run `serve(bus)`, close the bus."""
     from parkade.services.bus.kafka import KafkaBus, wait_for_broker
 
     await wait_for_broker(bootstrap_servers, timeout_s=wait_s)
-    bus = KafkaBus(bootstrap_servers, client_id=client_id)
+    bus = KafkaBus(bootstrap_servers, client_id=client_id, idempotence=idempotence)
     try:
         await bus.create_topics(topics.all_topic_names(prefix))
         await serve(bus)

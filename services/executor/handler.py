@@ -6,17 +6,25 @@
 Idempotent under redelivery: a plan runs only if it is addressed to this executor and newer
 than the last one it ran of its scheduler (running a plan twice would append its sampled tokens
 twice).
+
+A step that raises (out of memory, a bug) is answered, never dropped: a `StepResult` with the
+error, after which the executor holds no request state and is at the next epoch. Plans the
+scheduler made before it heard of the failure are of the old epoch and are ignored; the scheduler
+recomputes every request under the new one.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import msgspec
 
-from parkade.schemas import ExecutorAnnouncement, StepPlan, topics
+from parkade.schemas import ExecutorAnnouncement, StepPlan, StepResult, topics
 from parkade.services.bus.base import Outgoing
 from parkade.services.executor.executor import Executor
+
+log = logging.getLogger(__name__)
 
 
 class ExecutorHandler:
@@ -30,7 +38,9 @@ class ExecutorHandler:
         self.eos_token_ids = eos_token_ids
         self.scheduler_id: str | None = None
         self.last_step_id = 0
+        self.epoch = 0
         self.num_heartbeats = 0
+        self.num_failed_steps = 0
 
     def announcement(self) -> Outgoing:
         config = self.executor.model_config
@@ -54,10 +64,44 @@ class ExecutorHandler:
         if plan.scheduler_id != self.scheduler_id:
             # A new scheduler: its step ids start again, and it knows none of the old requests.
             self.executor.reset()
-            self.scheduler_id, self.last_step_id = plan.scheduler_id, 0
+            self.scheduler_id, self.last_step_id, self.epoch = plan.scheduler_id, 0, plan.epoch
+        if plan.epoch < self.epoch:
+            return []  # made before the scheduler heard of a failure: void
+        if plan.epoch > self.epoch:
+            self.executor.reset()  # the scheduler recomputes every request from here
+            self.epoch = plan.epoch
         if plan.step_id <= self.last_step_id:
             return []  # redelivered
-        result = self.executor.execute(plan)
         self.last_step_id = plan.step_id
-        result = msgspec.structs.replace(result, executor_id=self.executor_id)
+        try:
+            result = self.executor.execute(plan)
+        except Exception as error:
+            log.exception("step %d failed; dropping every request's state", plan.step_id)
+            return [Outgoing(topics.STEP_RESULTS, self._failed(plan, error))]
+        result = msgspec.structs.replace(
+            result, executor_id=self.executor_id, scheduler_id=plan.scheduler_id, epoch=plan.epoch
+        )
         return [Outgoing(topics.STEP_RESULTS, result)]
+
+    def on_send_error(self, out: Outgoing, error: Exception) -> list[Outgoing]:
+        """The broker refused a step's result (too large): for the scheduler the step failed, and
+        the tokens it sampled (which this executor keeps) are dropped with every request's state."""
+        result = out.message
+        if not isinstance(result, StepResult) or result.error is not None or result.epoch != self.epoch:
+            return []  # an announcement (the next heartbeat says it again), or already answered for
+        cause = RuntimeError(f"the step's result could not be sent: {error}")
+        return [Outgoing(topics.STEP_RESULTS, self._failed(result, cause))]
+
+    def _failed(self, step: StepPlan | StepResult, error: Exception) -> StepResult:
+        """The answer to a step that failed. Its request state may be half updated (a block
+        table extended, a token appended), so all of it goes: the next epoch starts empty."""
+        self.num_failed_steps += 1
+        self.executor.reset()
+        self.epoch = step.epoch + 1
+        return StepResult(
+            step_id=step.step_id,
+            executor_id=self.executor_id,
+            scheduler_id=step.scheduler_id,
+            epoch=step.epoch,
+            error=f"{type(error).__name__}: {error}"[:2000],
+        )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,8 @@ from parkade.services.executor.options import ExecutorOptions
 
 if TYPE_CHECKING:
     from parkade.services.executor.handler import ExecutorHandler
+
+log = logging.getLogger(__name__)
 
 GROUP_ID = "parkade-executor"
 HEARTBEAT_S = 5.0
@@ -40,8 +43,13 @@ async def run(
         return await asyncio.to_thread(handler.on_plan, message)
 
     async def heartbeat() -> None:
+        # NOTE: a failed send must not end the heartbeat: the scheduler would declare this
+        # executor dead while it serves on.
         while True:
-            await send_all(bus, [handler.announcement()], prefix)
+            try:
+                await send_all(bus, [handler.announcement()], prefix)
+            except Exception:
+                log.warning("a heartbeat could not be sent; trying again in %g s", heartbeat_s, exc_info=True)
             await asyncio.sleep(heartbeat_s)
 
     beating = asyncio.create_task(heartbeat())
@@ -55,6 +63,7 @@ async def run(
             ready=ready,
             poll_ms=10,
             send_each=True,  # result N goes out before step N+1 runs
+            on_send_error=handler.on_send_error,
         )
     finally:
         beating.cancel()

@@ -14,6 +14,11 @@ from typing import TypeVar
 
 # The token budget when none is given: vLLM's default for chunked prefill.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# The waiting queue's bounds. Beyond them a request is refused at once ("overloaded", as TGI's
+# 429) rather than queued without end: a client can retry elsewhere, and the scheduler's memory
+# stays bounded. A request always joins an empty queue, whatever its size.
+DEFAULT_MAX_WAITING_REQUESTS = 4096
+DEFAULT_MAX_WAITING_TOKENS = 4 * 1024 * 1024
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -69,11 +74,20 @@ class SchedulingOptions:
         default=AdmissionMode.PAGED,
         metadata={"help": "paged: blocks on demand; reserve: blocks for prompt + max_tokens up front"},
     )
+    max_waiting_requests: int = field(
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        metadata={"help": "requests waiting to run at most; more are refused at once (overloaded)"},
+    )
+    max_waiting_tokens: int = field(
+        default=DEFAULT_MAX_WAITING_TOKENS,
+        metadata={"help": "tokens of the waiting requests at most; more are refused at once (overloaded)"},
+    )
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        for name in ("max_num_seqs", "max_waiting_requests", "max_waiting_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
@@ -101,6 +115,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     admission: AdmissionMode = AdmissionMode.PAGED
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
+    max_waiting_tokens: int = DEFAULT_MAX_WAITING_TOKENS
 
     @classmethod
     def build(cls, options: SchedulingOptions, geometry: KVGeometry) -> SchedulerConfig:
@@ -126,11 +142,16 @@ class SchedulerConfig:
             enable_chunked_prefill=options.enable_chunked_prefill,
             scheduling_policy=options.scheduling_policy,
             admission=options.admission,
+            max_waiting_requests=options.max_waiting_requests,
+            max_waiting_tokens=options.max_waiting_tokens,
         )
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in (
+            "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+            "max_waiting_requests", "max_waiting_tokens",
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -10,6 +10,14 @@ The scheduler's configuration is `SchedulerConfig.build(options, the announced g
 one process; options that cannot work on the announced pool (an explicit token budget below its
 max_model_len with chunked prefill off) answer every request with an error event naming why.
 
+Failures are answered, never waited on forever. A step the executor could not run comes back
+as a `StepResult` with an error: the executor dropped its request state, so every request is
+recomputed under the next epoch, and a request in `MAX_STEP_FAILURES` failed steps in a row ends
+with an error event naming the cause (after its first, it runs alone). An executor not heard
+from for `executor_timeout_s` (it announces itself every few seconds) is declared lost: its
+requests wait, and resume on the next executor that announces itself (the same one, if it comes
+back); a request that has waited `executor_wait_s` without an executor ends with an error event.
+
 NOTE: more than one step is in flight so that Kafka's latency overlaps the executor's compute:
 the executor keeps the tokens it samples, so the next decode can be planned before the previous
 result has travelled back (the scheduler counts them as output placeholders).
@@ -17,8 +25,11 @@ result has travelled back (the scheduler counts them as output placeholders).
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 
 import msgspec
 
@@ -35,20 +46,46 @@ from parkade.schemas import (
     topics,
 )
 from parkade.services.bus.base import Headers, Outgoing
+from parkade.services.bus.serve import rejected_letter
 from parkade.services.common.recent import RecentIds
 from parkade.services.scheduler.config import KVGeometry, SchedulerConfig, SchedulingOptions
 from parkade.services.scheduler.scheduler import Scheduler
 
+log = logging.getLogger(__name__)
+
 # Step plans out at once: the next decode is planned before the previous result is back.
 DEFAULT_MAX_IN_FLIGHT = 2
+# An executor announces itself every 5 s (its HEARTBEAT_S): three missed beats and it is lost.
+DEFAULT_EXECUTOR_TIMEOUT_S = 15.0
+# How long a request may wait while no executor is there to run it.
+DEFAULT_EXECUTOR_WAIT_S = 60.0
+# A request in this many failed steps in a row ends with the error rather than run again. After
+# the first, it runs alone: a request the model cannot run fails alone twice more, while one that
+# only shared a step with it (or met a passing fault) succeeds there and starts counting again.
+MAX_STEP_FAILURES = 3
+# How often the waiting requests' deadlines are looked at while there is no executor.
+_WAIT_CHECK_S = 0.5
 
 
 class SchedulerHandler:
-    def __init__(self, options: SchedulingOptions, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+    def __init__(
+        self,
+        options: SchedulingOptions,
+        *,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        executor_timeout_s: float = DEFAULT_EXECUTOR_TIMEOUT_S,
+        executor_wait_s: float = DEFAULT_EXECUTOR_WAIT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if executor_timeout_s <= 0 or executor_wait_s <= 0:
+            raise ValueError("executor_timeout_s and executor_wait_s must be > 0")
         self.options = options
         self.max_in_flight = max_in_flight
+        self.executor_timeout_s = executor_timeout_s
+        self.executor_wait_s = executor_wait_s
+        self.clock = clock
         self.scheduler_id = uuid.uuid4().hex
         self.scheduler: Scheduler | None = None
         # Why the options cannot work with the current executor's KV geometry (None: they can).
@@ -59,29 +96,45 @@ class SchedulerHandler:
         self.pending: dict[str, EngineRequest] = {}  # before an executor has announced itself
         self.in_flight: OrderedDict[int, StepPlan] = OrderedDict()
         self.headers: dict[str, Headers] = {}  # per request: trace context to pass on
+        self.epoch = 0  # of the executor's request state: see StepPlan.epoch
+        self.last_heard = 0.0  # when the current executor last announced itself or answered
+        self.waiting_since: dict[str, float] = {}  # requests waiting for an executor, since when
+        self._next_wait_check = 0.0
+        self.step_failures: dict[str, int] = {}  # failed steps per live request
 
     def announcement(self) -> Outgoing:
         """Sent once at start, so the tokenizer can tell a restart."""
         return Outgoing(topics.GENERATED, SchedulerAnnouncement(scheduler_id=self.scheduler_id))
 
     def on_step_results(self, message: StepResult | ExecutorAnnouncement) -> list[Outgoing]:
+        if message.executor_id == self.executor_id:
+            self.last_heard = self.clock()
         if isinstance(message, ExecutorAnnouncement):
             return self.on_announcement(message)
         return self.on_step_result(message)
 
     def on_announcement(self, announcement: ExecutorAnnouncement) -> list[Outgoing]:
-        if announcement.executor_id == self.executor_id or announcement.executor_id in self.retired_executors:
-            return []  # a heartbeat, or a late one of an executor already replaced
+        if announcement.executor_id == self.executor_id:
+            self.last_heard = self.clock()
+            return []  # a heartbeat
+        if announcement.executor_id in self.retired_executors:
+            return []  # a late heartbeat of an executor already replaced
         if self.executor_id is not None:
             self.retired_executors.add(self.executor_id)
+        # (An executor declared lost is not retired: when it is heard again, it is adopted anew.)
         self.executor_id = announcement.executor_id
+        self.last_heard = self.clock()
+        self.waiting_since.clear()
         geometry = KVGeometry(announcement.num_blocks, announcement.block_size, announcement.max_model_len)
         out: list[Outgoing] = []
         if self.scheduler is not None:
-            self.in_flight.clear()
+            self._recompute_everything()
             if self.scheduler.config.geometry == geometry:
-                self.scheduler.reset_executor()  # same pool shape: recompute everything there
-                return []
+                # Same pool shape: every request is recomputed there.
+                for request in self.pending.values():
+                    out += self._add(request)
+                self.pending.clear()
+                return out
             # A different pool: block ids and limits of the old one mean nothing there. End the
             # live requests with an error rather than run them on a page table that does not fit.
             for request_id in list(self.scheduler.requests):
@@ -123,7 +176,12 @@ class SchedulerHandler:
             return []  # a redelivered request that already ran
         self.headers.setdefault(request_id, headers)
         if self.executor_id is None:
-            self.pending.setdefault(request_id, message)
+            if len(self.pending) >= self.options.max_waiting_requests:
+                error = f"overloaded: {len(self.pending)} requests wait for an executor"
+                return [self._refused(request_id, error)]
+            if request_id not in self.pending:
+                self.pending[request_id] = message
+                self.waiting_since.setdefault(request_id, self.clock())
             return []
         return self._add(message)
 
@@ -148,29 +206,116 @@ class SchedulerHandler:
         if (
             self.scheduler is None
             or result.executor_id != self.executor_id
+            or result.epoch != self.epoch
             or result.step_id not in self.in_flight
         ):
-            return []  # from a replaced executor, or redelivered
+            return []  # from a replaced executor, of a void plan, or redelivered
+        if result.error is not None:
+            return self._on_failed_step(self.in_flight[result.step_id], result)
         # Results come back in step order (one partition, one executor): older plans are done.
         while True:
             step_id, plan = self.in_flight.popitem(last=False)
             if step_id == result.step_id:
                 break
+        if self.step_failures:  # suspects that sampled a token batch again, their count cleared
+            self.scheduler.clear_suspects(result.request_ids)
+            for request_id in result.request_ids:
+                self.step_failures.pop(request_id, None)
         events = self.scheduler.update(plan, result)
         for event in events:
             self._forget_if_finished(event)
         return [Outgoing(topics.GENERATED, GeneratedBatch(events=tuple(events)))] if events else []
 
+    def on_send_error(self, out: Outgoing, error: Exception) -> list[Outgoing]:
+        """The broker refused a record this handler produced (too large). A step plan that could
+        not be sent is a failed step; a step's batch of events goes again one event a record."""
+        message = out.message
+        if isinstance(message, StepPlan):
+            if message.step_id not in self.in_flight or message.epoch != self.epoch:
+                return []
+            failed = StepResult(
+                step_id=message.step_id,
+                executor_id=message.executor_id,
+                epoch=message.epoch,
+                error=f"the step plan could not be sent: {error}",
+            )
+            return self._on_failed_step(message, failed)
+        if isinstance(message, GeneratedBatch) and len(message.events) > 1:
+            return [self._generated(event) for event in message.events]
+        return [rejected_letter(out, error)]
+
+    def _on_failed_step(self, plan: StepPlan, result: StepResult) -> list[Outgoing]:
+        """The executor could not run `plan` and dropped its request state: the plan's requests
+        count one failure each (ended at `MAX_STEP_FAILURES`), and every request is recomputed."""
+        assert self.scheduler is not None
+        log.warning("the executor failed step %d: %s", plan.step_id, result.error)
+        out: list[Outgoing] = []
+        suspects = []
+        for request_id in plan.num_scheduled_tokens:
+            failures = self.step_failures[request_id] = self.step_failures.get(request_id, 0) + 1
+            if failures < MAX_STEP_FAILURES:
+                suspects.append(request_id)
+                continue
+            error = f"the executor failed {failures} steps with this request: {result.error}"
+            event = self.scheduler.finish_request(request_id, FinishReason.ERROR, error=error)
+            if event is not None:
+                out.append(self._generated(event))
+        # The suspects run alone next, so a failure that repeats is pinned on its request and
+        # does not end the others that happened to share its step.
+        self._recompute_everything(epoch=result.epoch + 1, suspects=suspects)
+        return out
+
+    def _recompute_everything(self, epoch: int | None = None, suspects: list[str] | None = None) -> None:
+        """The executor holds no request state (it failed a step, was lost, or is a new one):
+        steps in flight are void, every live request is recomputed under a new epoch."""
+        self.in_flight.clear()
+        self.epoch = self.epoch + 1 if epoch is None else epoch
+        if self.scheduler is not None:
+            self.scheduler.reset_executor(suspects or ())
+
+    def check_executor(self) -> list[Outgoing]:
+        """Declare the executor lost after `executor_timeout_s` of silence; end the requests that
+        waited `executor_wait_s` without one. Runs after every poll."""
+        now = self.clock()
+        if self.executor_id is not None and now - self.last_heard > self.executor_timeout_s:
+            log.warning(
+                "executor %s not heard from for %.0f s: lost; its requests wait for an executor",
+                self.executor_id,
+                now - self.last_heard,
+            )
+            self.executor_id = None
+            self._recompute_everything()
+            for request_id in self.scheduler.requests if self.scheduler else ():
+                self.waiting_since.setdefault(request_id, now)
+        if self.executor_id is not None or not self.waiting_since or now < self._next_wait_check:
+            return []
+        self._next_wait_check = now + _WAIT_CHECK_S
+        out: list[Outgoing] = []
+        for request_id, since in list(self.waiting_since.items()):
+            if now - since < self.executor_wait_s:
+                continue
+            error = f"no executor to run this request for {self.executor_wait_s:g} s"
+            if self.pending.pop(request_id, None) is not None:
+                out.append(self._refused(request_id, error))
+            elif self.scheduler is not None:
+                event = self.scheduler.finish_request(request_id, FinishReason.ERROR, error=error)
+                if event is not None:
+                    out.append(self._generated(event))
+            self.waiting_since.pop(request_id, None)
+        return out
+
     def next_plans(self) -> list[Outgoing]:
         """Plan steps until `max_in_flight` are out; checks the block manager when idle."""
-        out: list[Outgoing] = []
+        out = self.check_executor()
         if self.scheduler is None or self.executor_id is None:
             return out
         while len(self.in_flight) < self.max_in_flight:
             plan = self.scheduler.schedule()
             if not (plan.num_scheduled_tokens or plan.finished_request_ids or plan.preempted_request_ids):
                 break
-            plan = msgspec.structs.replace(plan, executor_id=self.executor_id, scheduler_id=self.scheduler_id)
+            plan = msgspec.structs.replace(
+                plan, executor_id=self.executor_id, scheduler_id=self.scheduler_id, epoch=self.epoch
+            )
             self.in_flight[plan.step_id] = plan
             out.append(Outgoing(topics.STEP_PLANS, plan))
         if not self.in_flight:
@@ -185,4 +330,6 @@ class SchedulerHandler:
     def _forget_if_finished(self, event: GeneratedTokens) -> None:
         if event.finish_reason is not None:
             self.headers.pop(event.request_id, None)
+            self.step_failures.pop(event.request_id, None)
+            self.waiting_since.pop(event.request_id, None)
             self.finished.add(event.request_id)

@@ -12,14 +12,31 @@ from parkade.services.bus.runtime import run_service, service_parser
 from parkade.services.bus.serve import send_all, serve
 from parkade.services.common.flags import Flag, add_flags, dataclass_flags, flag_values
 from parkade.services.scheduler.config import SchedulingOptions
-from parkade.services.scheduler.handler import DEFAULT_MAX_IN_FLIGHT, SchedulerHandler
+from parkade.services.scheduler.handler import (
+    DEFAULT_EXECUTOR_TIMEOUT_S,
+    DEFAULT_EXECUTOR_WAIT_S,
+    DEFAULT_MAX_IN_FLIGHT,
+    SchedulerHandler,
+)
 
 GROUP_ID = "parkade-scheduler"
-# Every SchedulingOptions field, and the service's own --max-in-flight.
-FLAGS = [
-    *dataclass_flags(SchedulingOptions),
+# Every SchedulingOptions field, and the service's own settings.
+SERVICE_FLAGS = [
     Flag("max_in_flight", int, DEFAULT_MAX_IN_FLIGHT, "step plans out at once"),
+    Flag(
+        "executor_timeout_s",
+        float,
+        DEFAULT_EXECUTOR_TIMEOUT_S,
+        "seconds without a word from the executor after which it is declared lost",
+    ),
+    Flag(
+        "executor_wait_s",
+        float,
+        DEFAULT_EXECUTOR_WAIT_S,
+        "seconds a request may wait without an executor before it ends with an error",
+    ),
 ]
+FLAGS = [*dataclass_flags(SchedulingOptions), *SERVICE_FLAGS]
 
 
 async def run(
@@ -43,14 +60,15 @@ async def run(
         stop=stop,
         ready=ready,
         poll_ms=10,
+        on_send_error=handler.on_send_error,
     )
 
 
 def build_handler(args: argparse.Namespace) -> SchedulerHandler:
     """The handler for parsed FLAGS; ValueError for settings that cannot work."""
     values = flag_values(FLAGS, args)
-    max_in_flight = values.pop("max_in_flight")
-    return SchedulerHandler(SchedulingOptions(**values), max_in_flight=max_in_flight)
+    service = {flag.name: values.pop(flag.name) for flag in SERVICE_FLAGS}
+    return SchedulerHandler(SchedulingOptions(**values), **service)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,14 +21,17 @@ class WaitingQueue:
         self._fcfs = self.policy is SchedulingPolicy.FCFS
         self._fifo: deque[Request] = deque()
         self._heap: list[tuple[tuple[int, float, str], Request]] = []
+        self.num_tokens = 0  # of the requests queued (a waiting request's tokens do not change)
 
     def add(self, request: Request) -> None:
+        self.num_tokens += request.num_tokens
         if self._fcfs:
             self._fifo.append(request)
         else:
             heapq.heappush(self._heap, (request.sort_key(), request))
 
     def add_preempted(self, request: Request) -> None:
+        self.num_tokens += request.num_tokens
         if self._fcfs:
             self._fifo.appendleft(request)
         else:
@@ -38,9 +41,12 @@ class WaitingQueue:
         return self._fifo[0] if self._fcfs else self._heap[0][1]
 
     def pop(self) -> Request:
-        return self._fifo.popleft() if self._fcfs else heapq.heappop(self._heap)[1]
+        request = self._fifo.popleft() if self._fcfs else heapq.heappop(self._heap)[1]
+        self.num_tokens -= request.num_tokens
+        return request
 
     def remove(self, request: Request) -> None:
+        self.num_tokens -= request.num_tokens
         if self._fcfs:
             self._fifo.remove(request)
         else:

@@ -16,6 +16,7 @@ and returns to the waiting queue; its prefix-cached blocks make its re-prefill c
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from parkade.schemas import (
@@ -31,6 +32,10 @@ from parkade.services.scheduler.config import AdmissionMode, SchedulerConfig, Sc
 from parkade.services.scheduler.kv_cache_manager import KVCacheManager
 from parkade.services.scheduler.queue import WaitingQueue
 from parkade.services.scheduler.request import Request, RequestStatus
+
+
+class OverloadedError(ValueError):
+    """The waiting queue is at its bounds: the request is refused now rather than queued."""
 
 
 @dataclass(frozen=True)
@@ -65,14 +70,31 @@ class Scheduler:
         self._stop_sets: dict[frozenset[int], frozenset[int]] = {}
 
     # ---- requests in and out -------------------------------------------------------------
-    def add(self, engine_request: EngineRequest) -> None:
-        """Queue a request. Raises ValueError at once for a prompt that could never run."""
+    def add(self, engine_request: EngineRequest, output_token_ids: Sequence[int] = ()) -> None:
+        """Queue a request. Raises ValueError at once for a prompt that could never run.
+
+        `output_token_ids`: what it generated already (a restarted scheduler resumes it from
+        the log): its next token has that index, and it is recomputed from prompt + those."""
         if engine_request.request_id in self.requests:
             raise ValueError(f"request_id {engine_request.request_id!r} is already in use")
         self.validate(engine_request)
+        num_waiting = len(self.waiting)
+        if num_waiting and (
+            num_waiting >= self.config.max_waiting_requests
+            or self.waiting.num_tokens + len(engine_request.prompt_token_ids) > self.config.max_waiting_tokens
+        ):
+            raise OverloadedError(
+                f"overloaded: {num_waiting} requests ({self.waiting.num_tokens} tokens) waiting; "
+                f"the limits are max_waiting_requests={self.config.max_waiting_requests}, "
+                f"max_waiting_tokens={self.config.max_waiting_tokens}"
+            )
         request = Request(engine_request, self.config.block_size)
+        if output_token_ids:
+            request.all_token_ids.extend(output_token_ids)
+            request.num_tokens += len(output_token_ids)
+            request.num_output_tokens = len(output_token_ids)
         request.max_num_tokens = self._reservation(request)
-        request.num_tokens_left = request.max_num_tokens - request.num_prompt_tokens
+        request.num_tokens_left = request.max_num_tokens - request.num_tokens
         params = request.sampling_params
         eos = () if params.ignore_eos else request.eos_token_ids
         stop_token_ids = frozenset((*eos, *params.stop_token_ids))
@@ -101,10 +123,15 @@ class Scheduler:
             )
 
     def finish_request(
-        self, request_id: str, reason: FinishReason = FinishReason.ABORT, stop_reason: int | str | None = None
+        self,
+        request_id: str,
+        reason: FinishReason = FinishReason.ABORT,
+        stop_reason: int | str | None = None,
+        *,
+        error: str | None = None,
     ) -> GeneratedTokens | None:
-        """End a live request early (abort, stop string). Returns its final event, or None when
-        the request is unknown or already finished (idempotent)."""
+        """End a live request early (abort, stop string, an error named by `error`). Returns its
+        final event, or None when the request is unknown or already finished (idempotent)."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -120,6 +147,7 @@ class Scheduler:
             finish_reason=reason,
             stop_reason=stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            error=error,
         )
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None) -> None:
@@ -142,8 +170,38 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         grown: dict[str, CachedRequestData] = {}  # running requests whose block table grew
         preempted: list[Request] = []
+        new_requests: list[NewRequestData] = []
 
-        # 1. Running requests, in admission order.
+        # 0. A request suspected of making a step fail (`run_alone`, see `reset_executor`) at the
+        # head of the queue gets a step of its own: if that fails too, it alone is to blame.
+        if self.waiting and self.waiting.peek().run_alone:
+            budget = self._admit(budget, scheduled, preempted, new_requests)
+        if not scheduled:  # the usual step (or the suspect found no room: the others go on)
+            budget = self._schedule_running(budget, scheduled, grown, preempted)
+            budget = self._admit(budget, scheduled, preempted, new_requests)
+
+        preempted_ids = tuple(r.request_id for r in preempted if r.request_id in self._in_executor)
+        self._in_executor.difference_update(preempted_ids)
+        self._in_executor.update(r.request_id for r in new_requests)
+        plan = StepPlan(
+            step_id=self.step_id,
+            new_requests=tuple(new_requests),
+            cached_requests=tuple(grown.values()),
+            num_scheduled_tokens=scheduled,
+            finished_request_ids=tuple(self._finished_ids),
+            preempted_request_ids=preempted_ids,
+        )
+        self._finished_ids = []
+        return plan
+
+    def _schedule_running(
+        self,
+        budget: int,
+        scheduled: dict[str, int],
+        grown: dict[str, CachedRequestData],
+        preempted: list[Request],
+    ) -> int:
+        """1. Running requests, in admission order; -> the budget left."""
         # NOTE: this loop and `update` run once per running request per step: keep them lean.
         # A scheduled request's counters move at once; a victim that was scheduled earlier in this
         # loop (priority policy only) has its tokens handed back.
@@ -191,9 +249,17 @@ class Scheduler:
             request.num_computed_tokens = num_computed = num_computed + num_new
             if num_computed == num_known:
                 request.num_output_placeholders += 1  # this step samples its next token
+        return budget
 
-        # 2. Admissions, unless this step had to preempt (the pool is full).
-        new_requests: list[NewRequestData] = []
+    def _admit(
+        self,
+        budget: int,
+        scheduled: dict[str, int],
+        preempted: list[Request],
+        new_requests: list[NewRequestData],
+    ) -> int:
+        """2. Admissions, unless this step had to preempt (the pool is full); -> the budget left.
+        A `run_alone` request joins only an empty step, and nothing joins after it."""
         while (
             not preempted
             and budget > 0
@@ -201,6 +267,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
+            if request.run_alone and scheduled:
+                break  # it gets a step of its own
             hit_blocks, num_hit = self.kv.match_prefix(request)
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -234,20 +302,9 @@ class Scheduler:
             request.num_computed_tokens = num_hit + num_new
             if request.num_computed_tokens == request.num_tokens:  # (no placeholders while waiting)
                 request.num_output_placeholders += 1  # this step samples its next token
-
-        preempted_ids = tuple(r.request_id for r in preempted if r.request_id in self._in_executor)
-        self._in_executor.difference_update(preempted_ids)
-        self._in_executor.update(r.request_id for r in new_requests)
-        plan = StepPlan(
-            step_id=self.step_id,
-            new_requests=tuple(new_requests),
-            cached_requests=tuple(grown.values()),
-            num_scheduled_tokens=scheduled,
-            finished_request_ids=tuple(self._finished_ids),
-            preempted_request_ids=preempted_ids,
-        )
-        self._finished_ids = []
-        return plan
+            if request.run_alone:
+                break  # nothing joins its step
+        return budget
 
     def _reservation(self, request: Request) -> int:
         """Prompt + max_tokens, capped: where a request stops at the latest (`max_num_tokens`), and
@@ -335,9 +392,15 @@ class Scheduler:
             return FinishReason.STOP, None
         return FinishReason.STOP, token_id
 
-    def reset_executor(self) -> None:
-        """A new executor with an empty KV pool replaced the old one: every running request is
-        recomputed from scratch and the prefix cache starts empty (its blocks held old K/V)."""
+    def reset_executor(self, suspects: Iterable[str] = ()) -> None:
+        """The executor holds no request state any more (a new one, or one that failed a step):
+        every running request is recomputed from scratch and the prefix cache starts empty (its
+        blocks may hold old or half-written K/V). `suspects` (the requests of a step that failed)
+        each run their next step alone, until they sample a token (`clear_suspects`)."""
+        for request_id in suspects:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.run_alone = True
         for request in reversed(self.running):
             self.kv.free(request)  # into the pool that is dropped below: this clears the request's table
             request.status = RequestStatus.PREEMPTED
@@ -350,6 +413,13 @@ class Scheduler:
         )
         self._in_executor.clear()
         self._finished_ids = []
+
+    def clear_suspects(self, request_ids: Iterable[str]) -> None:
+        """These requests sampled a token since they were suspected: they batch again."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.run_alone = False
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
@@ -379,6 +449,7 @@ class Scheduler:
             assert request.kv_noop_until <= len(request.block_ids) * self.config.block_size
             held = len(request.block_ids) * self.config.block_size
             assert held >= request.num_computed_tokens
+        assert self.waiting.num_tokens == sum(r.num_tokens for r in self.waiting)
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert request.num_computed_tokens == 0

@@ -155,10 +155,21 @@ class RequestStream:
 class FrontEnd:
     """Turns prompts into `EngineRequest`s for one model; opens a `RequestStream` for each."""
 
-    def __init__(self, tokenizer: Any | None, *, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        *,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        # The model's own limit (its max_position_embeddings). An executor may serve less, which
+        # the scheduler refuses; a prompt over this could never run anywhere, and an absurdly
+        # long one must not travel further (a record over the broker's size limit).
+        self.max_model_len = max_model_len
         self._last_arrival = 0.0
 
     @classmethod
@@ -168,7 +179,12 @@ class FrontEnd:
         check_model_folder(options.model, weights=False, tokenizer=False)  # load_tokenizer checks its own
         config = ModelConfig.from_pretrained(options.model)
         tokenizer = None if skip_tokenizer_init else load_tokenizer(options.tokenizer or options.model)
-        return cls(tokenizer, vocab_size=config.vocab_size, eos_token_ids=config.eos_token_ids)
+        return cls(
+            tokenizer,
+            vocab_size=config.vocab_size,
+            eos_token_ids=config.eos_token_ids,
+            max_model_len=config.max_position_embeddings,
+        )
 
     def make_request(
         self,
@@ -187,6 +203,11 @@ class FrontEnd:
         token_ids = self._tokenize(prompt, prompt_token_ids, messages)
         if not token_ids:
             raise ValueError("the prompt has no tokens")
+        if self.max_model_len is not None and len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, more than the model's max_model_len="
+                f"{self.max_model_len}"
+            )
         if not 0 <= min(token_ids) <= max(token_ids) < self.vocab_size:
             raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}) (the model's vocab_size)")
         if params.stop and self.tokenizer is None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from parkade.schemas import (
     AbortRequest,
+    EngineRequest,
     FinishReason,
     FinishRequest,
     GeneratedBatch,
@@ -29,14 +30,20 @@ from parkade.schemas import (
     topics,
 )
 from parkade.services.bus.base import Headers, Outgoing
+from parkade.services.bus.serve import rejected_letter
 from parkade.services.common.recent import RecentIds
 from parkade.services.tokenizer.frontend import FrontEnd, RequestStream, StreamUpdate
+
+# Where a request record came from (topic, partition, offset): the same record read again is a
+# redelivery; another record with the same request id is a second request.
+Source = tuple[str, int, int]
 
 
 @dataclass
 class _Open:
     stream: RequestStream
     headers: Headers  # the request's trace context, passed on with every record about it
+    source: Source | None = None
 
 
 def error_event(request_id: str, message: str, headers: Headers = (), index: int = 0) -> Outgoing:
@@ -65,21 +72,35 @@ class TokenizerHandler:
         self.finished = RecentIds()  # to drop redelivered requests and late messages
         self.scheduler_id: str | None = None
 
-    def on_request(self, message: GenerateRequest | AbortRequest, headers: Headers = ()) -> list[Outgoing]:
+    def on_request(
+        self, message: GenerateRequest | AbortRequest, headers: Headers = (), source: Source | None = None
+    ) -> list[Outgoing]:
+        """`source`: where the record came from, to tell a redelivery (the same record: nothing to
+        do) from a second request with an id in use (answered with an error event; the error
+        event carries the second request's headers, by which its client tells it apart)."""
         request_id = message.request_id
         if isinstance(message, AbortRequest):
             if request_id not in self.streams:
                 return []  # unknown or finished: aborting is idempotent
             finish = FinishRequest(request_id=request_id, reason=FinishReason.ABORT)
             return [Outgoing(topics.TOKENIZED, finish, request_id, headers)]
-        if request_id in self.streams or request_id in self.finished:
-            return []  # a redelivered request
+        open_ = self.streams.get(request_id)
+        if open_ is not None:
+            if source is None or open_.source == source:
+                return []  # a redelivered request
+            error = f"request id {request_id!r} is in use by a live request"
+            return [error_event(request_id, error, headers)]
+        if request_id in self.finished:
+            if source is None or self.finished.get(request_id) == source:
+                return []  # a redelivered request
+            error = f"request id {request_id!r} was used by a request that ended recently; use a fresh id"
+            return [error_event(request_id, error, headers)]
         try:
             request, stream = self.frontend.make_request_from(message)
         except Exception as error:  # a bad prompt or chat template fails this request only
-            self.finished.add(request_id)
+            self.finished.add(request_id, source)
             return [error_event(request_id, str(error), headers)]
-        self.streams[request_id] = _Open(stream, headers)
+        self.streams[request_id] = _Open(stream, headers, source)
         return [Outgoing(topics.TOKENIZED, request, request_id, headers)]
 
     def on_generated(
@@ -155,6 +176,28 @@ class TokenizerHandler:
         out.append(Outgoing(topics.TOKENS, token_event(request_id, update), request_id, open_.headers))
         return out
 
+    def on_send_error(self, out: Outgoing, error: Exception) -> list[Outgoing]:
+        """The broker refused a record this handler produced (too large): the client hears why,
+        and a request that cannot go on is stopped."""
+        message = out.message
+        request_id = getattr(message, "request_id", None)
+        if not isinstance(message, EngineRequest | TokenEvent) or request_id is None:
+            return [rejected_letter(out, error)]
+        open_ = self.streams.get(request_id)
+        if isinstance(message, EngineRequest):
+            if open_ is not None:
+                self._close(request_id)
+            return [error_event(request_id, f"the request could not be forwarded: {error}", out.headers)]
+        if message.error is not None and open_ is None:
+            return []  # an error event refused: the stream is closed, nothing smaller to say
+        out_: list[Outgoing] = []
+        if open_ is not None:  # the stream cannot go on without this event
+            self._close(request_id)
+            finish = FinishRequest(request_id=request_id, reason=FinishReason.ABORT)
+            out_.append(Outgoing(topics.TOKENIZED, finish, request_id, out.headers))
+        reason = f"an event of this request could not be sent: {error}"
+        return [*out_, error_event(request_id, reason, out.headers, message.index)]
+
     def _close(self, request_id: str) -> None:
-        del self.streams[request_id]
-        self.finished.add(request_id)
+        open_ = self.streams.pop(request_id)
+        self.finished.add(request_id, open_.source)

@@ -45,7 +45,9 @@ async def run(
         prefix=prefix,
         group_id=GROUP_ID,
         handlers={
-            topics.REQUESTS: lambda message, record: handler.on_request(message, record.headers),
+            topics.REQUESTS: lambda message, record: handler.on_request(
+                message, record.headers, (record.topic, record.partition, record.offset)
+            ),
             topics.GENERATED: lambda message, record: handler.on_generated(message),
         },
         on_bad_record=lambda record, error: (
@@ -55,6 +57,7 @@ async def run(
         ),
         stop=stop,
         ready=ready,
+        on_send_error=handler.on_send_error,
     )
 
 

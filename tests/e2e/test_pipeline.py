@@ -17,7 +17,7 @@ from hf_reference import STORIES
 from pipeline import running_pipeline
 
 from parkade import LLM, SamplingParams
-from parkade.client import Client
+from parkade.client import Client, _Stream
 from parkade.schemas import topics
 from parkade.services.bus.kafka import KafkaBus
 
@@ -148,7 +148,8 @@ def test_bad_records_get_an_error_event_or_a_dead_letter_and_disturb_nothing(boo
                 "prompt": "hi",
                 "sampling_params": {"temperature": -1},
             }
-            client._streams["bad-temp"] = asyncio.Queue()  # listen for the error event of a raw record
+            # Listen for the error event of a raw record (sent without a trace context).
+            client._streams["bad-temp"] = _Stream(traceparent=b"")
             await bus.send(requests_topic, msgspec.msgpack.encode(invalid))
             errors = [e async for e in client.stream("bad-temp")]
             letters = []
@@ -195,3 +196,41 @@ def test_a_topic_with_several_partitions_is_refused(bootstrap_servers):
     result = subprocess.run([*service, "--topic-prefix", prefix], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert result.stderr == f"parkade scheduler: topic {name} has 2 partitions; Parkade needs 1\n"
+
+
+def test_executor_steps_that_raise_are_recomputed_or_end_their_request_with_the_cause(bootstrap_servers):
+    """One step fails once (a transient fault); every step with the "poison" request fails (a
+    request the model cannot run). The others stream the in-process engine's text regardless."""
+    prompts = [f"{OPENINGS[i % len(OPENINGS)]}{' and' * (i // len(OPENINGS))}" for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    expected = [o.outputs[0] for o in LLM(STORIES, dtype="float32", **ENGINE).generate(prompts, params)]
+
+    async def body(pipeline, prefix):
+        executor = pipeline.executor.executor
+        execute, steps = executor.execute, []
+
+        def flaky(plan):
+            steps.append(plan.step_id)
+            if len(steps) == 6 or "poison" in plan.num_scheduled_tokens:
+                raise RuntimeError("injected fault")
+            return execute(plan)
+
+        executor.execute = flaky
+        async with Client(bootstrap_servers, prefix) as client:
+
+            async def one(prompt, request_id=None):
+                request_id = await client.submit(prompt=prompt, sampling_params=params, request_id=request_id)
+                return [e async for e in client.stream(request_id)]
+
+            results = await asyncio.gather(*(one(p) for p in prompts), one("Tim had a ball", "poison"))
+        await wait_idle(pipeline)
+        assert pipeline.executor.num_failed_steps >= 3  # the poison's three (the 6th may be one)
+        return results
+
+    *results, poison = run_with_pipeline(bootstrap_servers, body)
+    for events, exp in zip(results, expected, strict=True):
+        indices = [e.index for e in events if e.token_ids]
+        assert indices == list(range(len(indices))), "indices out of order, with gaps or repeats"
+        assert "".join(e.text for e in events) == exp.text
+    assert poison[-1].finish_reason == "error" and "injected fault" in poison[-1].error
+    assert "failed 3 steps" in poison[-1].error

@@ -147,3 +147,23 @@ def test_ctrl_c_while_starting_stops_quietly_and_exits_0(tmp_path):
     code = up.proc.wait(STOP_TIMEOUT_S)
     assert code == 0, up.output()
     assert "exited with code" not in up.log_path.read_text(), up.output()
+
+
+def test_a_killed_service_is_restarted_and_the_stack_serves_on(tmp_path):
+    up = Up(tmp_path / "home")
+    try:
+        state = up.wait_ready()
+        os.kill(state["pids"]["executor"], signal.SIGKILL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while (fresh := up.wait_ready())["pids"]["executor"] == state["pids"]["executor"]:
+            assert up.proc.poll() is None, f"parkade up stopped:\n{up.output()}"
+            assert time.monotonic() < deadline, f"no restart in {START_TIMEOUT_S}s:\n{up.output()}"
+            time.sleep(0.5)
+        result = up.generate("Once upon a time", "--max-tokens", "8")
+    finally:
+        code = up.stop()
+    assert result.returncode == 0, f"{result.stderr}\n{up.output()}"
+    assert code == 0, up.output()
+    assert "restarting the executor in 1s (restart 1)" in up.log_path.read_text()
+    assert "restart 1 of the executor" in (up.home / "logs" / "executor.log").read_text()
+    assert not _running(fresh["pids"]["executor"])

@@ -154,12 +154,15 @@ def test_async_llm_streams_and_an_abort_frees_blocks():
             async for _ in engine.generate({"prompt_token_ids": [5] * 300}, params):
                 pass
 
+        started = asyncio.Event()
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
         async def consume():
-            async for _ in engine.generate("Tom", params, request_id="open"):
-                pass
+            async for _ in engine.generate("Tom", long, request_id="open"):
+                started.set()
 
         stream = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(started.wait(), timeout=5)  # open, and far from its 200 tokens
         await engine.shutdown()  # an open stream ends with an error, never hangs
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(stream, timeout=5)

@@ -87,3 +87,40 @@ def test_undecodable_records_and_failing_handlers_go_to_the_dead_letter_topic():
         assert seen == ["fine"]  # the records behind them are not held up
 
     asyncio.run(main())
+
+
+def test_a_record_the_broker_refuses_is_answered_for_and_the_loop_goes_on():
+    from parkade.services.bus.base import Outgoing
+    from parkade.services.bus.serve import rejected_letter
+
+    TOKENS = topics.topic_name(topics.TOKENS, PREFIX)
+
+    async def main():
+        bus = MemoryBus(max_record_bytes=200)
+        for request_id in ("big", "small", "default"):
+            await bus.send(REQUESTS, abort(request_id))
+        answered = []
+
+        def handler(message, record):
+            size = {"big": 500, "small": 10, "default": 300}[message.request_id]
+            return [Outgoing(topics.TOKENS, b"x" * size, message.request_id)]
+
+        def on_send_error(out, error):
+            answered.append((out.key, str(error)))
+            if out.key == "default":
+                return [rejected_letter(out, error)]  # what serve answers without a handler
+            return [Outgoing(topics.TOKENS, b"too large", out.key), Outgoing(topics.TOKENS, b"y" * 999, "z")]
+
+        async def until_all():
+            while len(bus.topics.get(TOKENS, [])) < 2 or not bus.topics.get(DEAD):
+                await asyncio.sleep(0.01)
+
+        await _serve_until(bus, handler, until_all, on_send_error=on_send_error)
+        assert [r.value for r in bus.topics[TOKENS]] == [b"x" * 10, b"too large"]  # one batch, then answers
+        assert [k for k, _ in answered] == ["big", "default"]  # an answer refused too is only logged
+        (letter,) = bus.topics[DEAD]
+        assert letter.value == b"" and letter.key == b"default"
+        assert letter.header("parkade-topic") == topics.TOKENS.encode()
+        assert b"300 bytes, over 200" in letter.header("parkade-error")
+
+    asyncio.run(main())

@@ -40,6 +40,8 @@ NON_DEFAULTS = {
         enable_chunked_prefill=False,
         scheduling_policy=SchedulingPolicy.PRIORITY,
         admission=AdmissionMode.RESERVE,
+        max_waiting_requests=11,
+        max_waiting_tokens=999,
     ),
     ExecutorOptions: dict(
         model=Path("/models/llama"),
@@ -70,7 +72,7 @@ def _up_args(extra: list[str]) -> argparse.Namespace:
 
 
 def _every_option_on_the_up_command_line() -> argparse.Namespace:
-    argv = ["--max-in-flight", "3"]
+    argv = ["--max-in-flight", "3", "--executor-timeout-s", "7.5", "--executor-wait-s", "33"]
     for cls, values in NON_DEFAULTS.items():
         if cls is not ExecutorOptions:  # its --model is the tokenizer's: `parkade up` takes it once
             argv += to_argv(dataclass_flags(cls), values)
@@ -86,6 +88,7 @@ def test_every_scheduler_flag_reaches_the_scheduler_through_parkade_up():
     handler = scheduler_main.build_handler(parser.parse_args(["--bootstrap-servers", "x:1", *argv]))
     expected = SchedulingOptions(**NON_DEFAULTS[SchedulingOptions])
     assert handler.options == expected and handler.max_in_flight == 3
+    assert (handler.executor_timeout_s, handler.executor_wait_s) == (7.5, 33)
     # ... and shapes the scheduler once an executor announces its pool.
     announcement = ExecutorAnnouncement(
         executor_id="e", model="m", num_blocks=40, block_size=8, max_model_len=96, vocab_size=50
@@ -96,6 +99,7 @@ def test_every_scheduler_flag_reaches_the_scheduler_through_parkade_up():
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (7, 96)
     assert not config.enable_prefix_caching and not config.enable_chunked_prefill
     assert (config.scheduling_policy, config.admission) == ("priority", "reserve")
+    assert (config.max_waiting_requests, config.max_waiting_tokens) == (11, 999)
     assert handler.scheduler.kv.enable_caching is False
 
 

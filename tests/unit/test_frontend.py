@@ -43,6 +43,10 @@ def test_requests_that_cannot_run_are_refused_with_the_reason(frontend):
         frontend.make_request("x", prompt_token_ids=[1, 512])
     with pytest.raises(ValueError, match="no tokens"):
         frontend.make_request("x", prompt_token_ids=[])
+    # stories260K's max_position_embeddings is 512: a prompt over it never leaves the front end
+    frontend.make_request("x", prompt_token_ids=[5] * 512)
+    with pytest.raises(ValueError, match="has 1048577 tokens, more than the model's max_model_len=512"):
+        frontend.make_request("x", prompt_token_ids=[5] * 1_048_577)
     with pytest.raises(ValueError, match="chat template"):  # stories260K has none
         frontend.make_request("x", messages=[ChatMessage(role="user", content="hi")])
     bare = FrontEnd(None, vocab_size=512, eos_token_ids=(2,))

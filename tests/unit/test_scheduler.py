@@ -317,3 +317,21 @@ def test_no_decode_is_scheduled_past_max_tokens_while_steps_are_in_flight():
     s.update(plan1, sample(plan1, {"a": 4}))
     (event,) = s.update(plan2, sample(plan2, {"a": 5}))
     assert event.finish_reason == FinishReason.LENGTH
+
+
+def test_a_full_waiting_queue_refuses_new_requests_at_once():
+    from parkade.services.scheduler.scheduler import OverloadedError
+
+    s = sched(max_waiting_requests=3, max_waiting_tokens=20, max_model_len=64, num_blocks=64)
+    s.add(req("huge", 30))  # over the token bound, but the queue was empty: it waits
+    with pytest.raises(OverloadedError, match=r"overloaded: 1 requests \(30 tokens\) waiting"):
+        s.add(req("next", 2))
+    s.schedule()  # "huge" runs: the queue is empty again
+    for i in range(3):
+        s.add(req(f"w{i}", 5))
+    with pytest.raises(OverloadedError, match="max_waiting_requests=3"):
+        s.add(req("fourth", 1))
+    s.finish_request("w0")
+    s.add(req("fourth", 1))
+    s.check_integrity()  # the queue's token count follows adds, removals and admissions
+    assert s.waiting.num_tokens == 11

@@ -175,7 +175,8 @@ def drive(handler, executor, rounds=50, seen_plans=None):
         if seen_plans is not None:
             seen_plans += plans
         for plan in plans:
-            result = msgspec.structs.replace(executor.execute(plan), executor_id=plan.executor_id)
+            result = executor.execute(plan)
+            result = msgspec.structs.replace(result, executor_id=plan.executor_id, epoch=plan.epoch)
             for o in handler.on_step_result(result):  # one record per step
                 assert o.topic == topics.GENERATED and isinstance(o.message, GeneratedBatch)
                 for event in o.message.events:
@@ -383,3 +384,269 @@ def test_options_that_cannot_work_on_the_announced_pool_answer_every_request_wit
     default = SchedulerHandler(SchedulingOptions(enable_chunked_prefill=False))
     default.on_announcement(msgspec.structs.replace(announce(), max_model_len=9000, num_blocks=600))
     assert default.scheduler.config.max_num_batched_tokens == 9000
+
+
+# ---- failures: a step that raises, an executor that goes silent -------------------------------
+
+
+class _FlakyExecutor(FakeExecutor):
+    """A FakeExecutor whose step raises when `fails(plan)` says so, and that can drop its state."""
+
+    num_blocks, block_size = 64, 4
+    model_config = msgspec.defstruct("Config", [("vocab_size", int, 50)])()
+
+    def __init__(self, fails, seed=5):
+        super().__init__(vocab_size=50, seed=seed, block_size=4)
+        self.fails = fails
+        self.num_resets = 0
+
+    def execute(self, plan):
+        if self.fails(plan):
+            raise RuntimeError("CUDA out of memory (injected)")
+        return super().execute(plan)
+
+    def reset(self):
+        self.num_resets += 1
+        for state in (self.token_ids, self.block_tables, self.num_computed, self.num_prompt):
+            state.clear()
+
+
+def _executor_handler(fake):
+    from parkade.services.executor.handler import ExecutorHandler
+
+    return ExecutorHandler(fake, model="m", max_model_len=64, eos_token_ids=())
+
+
+def events_of(outs):
+    """The GeneratedTokens in a handler's outputs (a step's batch, or one alone)."""
+    for o in outs:
+        if o.topic == topics.GENERATED:
+            yield from (o.message.events if isinstance(o.message, GeneratedBatch) else (o.message,))
+
+
+def run_both(scheduler, executor, rounds=400):
+    """The two handlers wired by hand, as the topics wire them; -> (events per request, plans)."""
+    events, plans = {}, []
+
+    def collect(outs):
+        for event in events_of(outs):
+            events.setdefault(event.request_id, []).append(event)
+
+    for _ in range(rounds):
+        out = scheduler.next_plans()
+        collect(out)
+        new_plans = [o.message for o in out if o.topic == topics.STEP_PLANS]
+        if not new_plans:
+            break
+        plans += new_plans
+        for plan in new_plans:
+            for result in executor.on_plan(plan):
+                collect(scheduler.on_step_results(result.message))
+    return events, plans
+
+
+def _announced(scheduler, executor):
+    (out,) = [executor.announcement()]
+    scheduler.on_step_results(out.message)
+
+
+def test_a_step_that_raises_is_answered_and_the_executor_starts_a_new_epoch():
+    fake = _FlakyExecutor(lambda plan: plan.step_id == 2)
+    handler = _executor_handler(fake)
+    plan = StepPlan(step_id=1, executor_id=handler.executor_id, scheduler_id="s")
+    (ok,) = handler.on_plan(plan)
+    assert ok.message.error is None and ok.message.epoch == 0
+    (failed,) = handler.on_plan(msgspec.structs.replace(plan, step_id=2))
+    assert failed.message.error == "RuntimeError: CUDA out of memory (injected)"
+    assert failed.message.epoch == 0 and handler.epoch == 1 and fake.num_resets == 2  # first plan, failure
+    assert handler.on_plan(msgspec.structs.replace(plan, step_id=3)) == []  # planned before: void
+    assert handler.on_plan(msgspec.structs.replace(plan, step_id=2, epoch=1)) == []  # step 2 ran already
+    (ok,) = handler.on_plan(msgspec.structs.replace(plan, step_id=4, epoch=1))
+    assert ok.message.error is None and ok.message.epoch == 1 and fake.num_resets == 2
+
+
+def test_a_failed_step_recomputes_every_request_and_loses_no_token():
+    fake = _FlakyExecutor(lambda plan: plan.step_id == 4)
+    executor, scheduler = _executor_handler(fake), SchedulerHandler(SchedulingOptions())
+    _announced(scheduler, executor)
+    for request_id in ("a", "b", "c"):
+        scheduler.on_tokenized(engine_request(request_id, max_tokens=10))
+    events, plans = run_both(scheduler, executor)
+    for request_id in ("a", "b", "c"):
+        assert [e.index for e in events[request_id]] == list(range(10))
+        assert events[request_id][-1].finish_reason == FinishReason.LENGTH
+    # After the failure the three suspects each ran a step of their own, then batched again.
+    after = [p for p in plans if p.epoch == 1]
+    assert [tuple(p.num_scheduled_tokens) for p in after[:3]] == [("a",), ("b",), ("c",)]
+    assert len(after[-2].num_scheduled_tokens) > 1 or len(after[-3].num_scheduled_tokens) > 1
+    assert scheduler.scheduler.kv.num_free_blocks == 64 and not scheduler.step_failures
+
+
+def test_a_request_that_fails_every_step_ends_with_the_cause_and_the_others_finish():
+    fake = _FlakyExecutor(lambda plan: "bad" in plan.num_scheduled_tokens)
+    executor, scheduler = _executor_handler(fake), SchedulerHandler(SchedulingOptions())
+    _announced(scheduler, executor)
+    for request_id in ("good1", "bad", "good2"):
+        scheduler.on_tokenized(engine_request(request_id, max_tokens=6))
+    events, _ = run_both(scheduler, executor)
+    (bad,) = events["bad"]
+    assert bad.finish_reason == FinishReason.ERROR and bad.index == 0
+    assert "failed 3 steps" in bad.error and "CUDA out of memory (injected)" in bad.error
+    for request_id in ("good1", "good2"):  # they shared the first failed step only
+        assert [e.index for e in events[request_id]] == list(range(6))
+        assert events[request_id][-1].finish_reason == FinishReason.LENGTH
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_silent_executor_is_declared_lost_and_its_requests_resume_when_it_returns():
+    clock = _Clock()
+    fake = _FlakyExecutor(lambda plan: False)
+    executor = _executor_handler(fake)
+    scheduler = SchedulerHandler(SchedulingOptions(), executor_timeout_s=15, executor_wait_s=60, clock=clock)
+    _announced(scheduler, executor)
+    scheduler.on_tokenized(engine_request("a", max_tokens=12))
+    plans = [o.message for o in scheduler.next_plans()]
+    (result,) = executor.on_plan(plans[0])
+    scheduler.on_step_results(result.message)  # index 0 is out; plan 2 is still in flight
+    clock.now += 16  # no heartbeat, no result
+    assert scheduler.next_plans() == [] and scheduler.executor_id is None and not scheduler.in_flight
+    scheduler.on_tokenized(engine_request("late", max_tokens=3))  # waits for an executor too
+    clock.now += 30
+    assert scheduler.next_plans() == []  # still within executor_wait_s
+    _announced(scheduler, executor)  # it was only slow: adopted again, everything recomputed
+    events, plans = run_both(scheduler, executor)
+    assert plans[0].epoch == 2  # lost, then adopted again: a new epoch each
+    assert [e.index for e in events["a"]] == list(range(1, 12))
+    assert [e.index for e in events["late"]] == [0, 1, 2]
+
+
+def test_requests_without_an_executor_end_with_an_error_after_the_wait():
+    clock = _Clock()
+    scheduler = SchedulerHandler(SchedulingOptions(), executor_wait_s=60, clock=clock)
+    scheduler.on_tokenized(engine_request("never"))  # no executor ever announced
+    clock.now += 59
+    assert scheduler.next_plans() == []
+    clock.now += 2
+    (event,) = events_of(scheduler.next_plans())
+    assert event.finish_reason == FinishReason.ERROR and "no executor" in event.error
+    assert not scheduler.pending and not scheduler.waiting_since
+
+
+def test_the_executors_heartbeat_survives_failed_sends():
+    import asyncio
+
+    from parkade.services.bus.memory import MemoryBus
+    from parkade.services.executor import main as executor_main
+
+    class FlakyBus(MemoryBus):
+        failures = 2
+
+        async def queue_many(self, records):
+            if self.failures:
+                self.failures -= 1
+                raise ConnectionError("broker away (injected)")
+            return await super().queue_many(records)
+
+    executor = _executor_handler(_FlakyExecutor(lambda plan: False))
+
+    async def main():
+        bus, stop = FlakyBus(), asyncio.Event()
+        await bus.create_topics(topics.all_topic_names("t."))
+        reader = await bus.consumer([topics.topic_name(topics.STEP_RESULTS, "t.")], None)
+        task = asyncio.create_task(executor_main.run(bus, executor, prefix="t.", stop=stop, heartbeat_s=0.01))
+        beats = []
+        for _ in range(200):
+            beats += await reader.getmany(timeout_ms=10)
+            if len(beats) >= 2:
+                break
+        stop.set()
+        await task
+        return beats
+
+    beats = asyncio.run(main())
+    assert len(beats) >= 2  # the two failed sends did not end the heartbeat
+
+
+# ---- records the broker refuses (too large) ---------------------------------------------------
+
+
+def test_the_tokenizer_answers_for_its_refused_records(stories_frontend):
+    from parkade.services.bus.base import RecordRejected
+
+    handler = TokenizerHandler(stories_frontend)
+    (forward,) = handler.on_request(GenerateRequest(request_id="r", prompt="Once upon"))
+    (event,) = handler.on_send_error(forward, RecordRejected("MessageSizeTooLargeError: 3 MB"))
+    assert event.topic == topics.TOKENS and event.message.finish_reason == FinishReason.ERROR
+    assert "could not be forwarded: MessageSizeTooLargeError: 3 MB" in event.message.error
+    assert handler.on_request(GenerateRequest(request_id="r", prompt="Once upon")) == []  # ended
+
+    handler.on_request(GenerateRequest(request_id="s", prompt="Once upon"))
+    (tokens,) = handler.on_generated(GeneratedTokens(request_id="s", index=0, token_ids=(5,)))
+    finish, error = handler.on_send_error(tokens, RecordRejected("too large"))
+    assert finish.topic == topics.TOKENIZED and finish.message == FinishRequest(request_id="s")
+    assert error.message.index == 0 and "could not be sent" in error.message.error
+    assert handler.on_send_error(error, RecordRejected("too large")) == []  # nothing smaller to say
+    assert "s" not in handler.streams
+
+
+def test_a_step_plan_the_broker_refuses_is_a_failed_step():
+    from parkade.services.bus.base import RecordRejected
+
+    executor = _executor_handler(_FlakyExecutor(lambda plan: False))
+    scheduler = SchedulerHandler(SchedulingOptions())
+    _announced(scheduler, executor)
+    for request_id in ("ok", "huge"):
+        scheduler.on_tokenized(engine_request(request_id, max_tokens=5))
+    events = {}
+    for _ in range(200):
+        plans = [o for o in scheduler.next_plans() if o.topic == topics.STEP_PLANS]
+        if not plans:
+            break
+        for out in plans:
+            if "huge" in out.message.num_scheduled_tokens:  # its plans never fit the broker
+                answers = scheduler.on_send_error(out, RecordRejected("MessageSizeTooLargeError"))
+            else:
+                results = executor.on_plan(out.message)
+                answers = [a for r in results for a in scheduler.on_step_results(r.message)]
+            for event in events_of(answers):
+                events.setdefault(event.request_id, []).append(event)
+    (huge,) = events["huge"]
+    assert huge.finish_reason == FinishReason.ERROR and "the step plan could not be sent" in huge.error
+    assert [e.index for e in events["ok"]] == list(range(5))
+
+
+def test_the_executor_answers_for_a_result_the_broker_refuses():
+    from parkade.services.bus.base import RecordRejected
+
+    fake = _FlakyExecutor(lambda plan: False)
+    handler = _executor_handler(fake)
+    (result,) = handler.on_plan(StepPlan(step_id=1, executor_id=handler.executor_id, scheduler_id="s"))
+    (answer,) = handler.on_send_error(result, RecordRejected("too large"))
+    assert answer.message.step_id == 1 and answer.message.epoch == 0
+    assert "the step's result could not be sent: too large" in answer.message.error
+    assert handler.epoch == 1 and fake.num_resets == 2
+    assert handler.on_send_error(answer, RecordRejected("too large")) == []
+    assert handler.on_send_error(handler.announcement(), RecordRejected("too large")) == []
+
+
+def test_a_second_request_with_an_id_in_use_or_just_used_gets_an_error_event(stories_frontend):
+    handler = TokenizerHandler(stories_frontend)
+    request = GenerateRequest(request_id="r", prompt="Once", sampling_params=SamplingParams(max_tokens=1))
+    first, second = ("requests", 0, 7), ("requests", 0, 9)
+    (forward,) = handler.on_request(request, (("traceparent", b"00-a"),), first)
+    assert forward.topic == topics.TOKENIZED
+    assert handler.on_request(request, (("traceparent", b"00-a"),), first) == []  # redelivered
+    (live,) = handler.on_request(request, (("traceparent", b"00-b"),), second)
+    assert live.topic == topics.TOKENS and "is in use by a live request" in live.message.error
+    assert live.headers == (("traceparent", b"00-b"),)  # the second request's: its client's event
+    handler.on_generated(GeneratedTokens(request_id="r", index=0, token_ids=(5,), finish_reason="length"))
+    assert handler.on_request(request, (), first) == []  # the first, redelivered after its end
+    (reused,) = handler.on_request(request, (), second)
+    assert "was used by a request that ended recently" in reused.message.error
