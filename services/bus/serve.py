@@ -141,17 +141,22 @@ async def serve(
     handled: dict[str, int] = {}  # topic -> the offset after the last record handled
     uncommitted, last_commit = False, loop.time()
 
+    saved: dict[str, int] = {}  # the progress saved last, by topic
+
     async def commit() -> None:
         offsets = dict(handled)
         for topic, low in (low_watermarks() if low_watermarks else {}).items():
             name = topics.topic_name(topic, prefix)
             if name in offsets:
                 offsets[name] = min(offsets[name], low)
-        await _commit(consumer, offsets)
+        if not await _commit(consumer, offsets):
+            return  # the progress must not run ahead of what a restart reads again
         for topic, offset in (progress() if progress else {}).items():
             # NOTE: after the commit: a restart that finds the commit newer than the progress
             # reads more of the log than it needs, never less.
-            await bus.save_progress(f"{group_id}.progress", topics.topic_name(topic, prefix), offset)
+            if saved.get(topic) != offset:
+                await bus.save_progress(f"{group_id}.progress", topics.topic_name(topic, prefix), offset)
+                saved[topic] = offset
 
     try:
         while not stop.is_set():
@@ -196,6 +201,33 @@ async def serve(
             await commit()
     finally:
         # On an error, nothing more is committed: what was not is read again after a restart.
+        await consumer.stop()
+
+
+async def read_log(
+    bus: Bus, topic: str, prefix: str, start: int, end: int, *, timeout_s: float = 120.0
+) -> list[Any]:
+    """The decoded records of `topic` (unprefixed) from offset `start` up to `end`, a record
+    known to be there (one this process sent: the end of what it must read, where the broker's
+    end offsets may lag); records that cannot be decoded are skipped."""
+    name = topics.topic_name(topic, prefix)
+    decoder = topics.decoder(topic)
+    consumer = await bus.consumer([name], None, start={name: start})
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    messages: list[Any] = []
+    try:
+        while True:
+            if loop.time() > deadline:
+                raise TimeoutError(f"{name} did not reach offset {end} within {timeout_s:g} s")
+            for record in await consumer.getmany(timeout_ms=200):
+                if record.offset >= end:
+                    return messages
+                try:
+                    messages.append(decoder.decode(record.value))
+                except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+                    log.warning("skipping an undecodable record at %s offset %d", name, record.offset)
+    finally:
         await consumer.stop()
 
 
@@ -251,10 +283,12 @@ class _Sends:
         return answers
 
 
-async def _commit(consumer: Consumer, offsets: dict[str, int]) -> None:
+async def _commit(consumer: Consumer, offsets: dict[str, int]) -> bool:
     try:
         await consumer.commit(offsets)
     except CommitError:
         # A rebalance took the partitions: the next owner reads the records again, which the
         # idempotent handlers absorb.
         log.warning("commit failed; the records will be delivered again", exc_info=True)
+        return False
+    return True

@@ -18,6 +18,16 @@ from for `executor_timeout_s` (it announces itself every few seconds) is declare
 requests wait, and resume on the next executor that announces itself (the same one, if it comes
 back); a request that has waited `executor_wait_s` without an executor ends with an error event.
 
+A restart loses nothing (see the README's "What is durable where"). The group's commit on the
+tokenized topic never passes the record of the oldest live request, so a restarted scheduler
+reads every live request again; and it keeps, as its progress, an offset of the generated topic
+(which it writes) below every live request's first event. At start it sends its announcement,
+reads the generated topic from that progress up to the announcement (`recover`): the requests
+that finished, and the tokens each live one generated. A live request read again is resumed
+with those tokens (recomputed from prompt + outputs, as after a preemption): its next event has
+the next index, and its tokens are the ones an uninterrupted run makes (greedy, or seeded, which
+draws by output position).
+
 NOTE: more than one step is in flight so that Kafka's latency overlaps the executor's compute:
 the executor keeps the tokens it samples, so the next decode can be planned before the previous
 result has travelled back (the scheduler counts them as output placeholders).
@@ -29,7 +39,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -101,10 +111,57 @@ class SchedulerHandler:
         self.waiting_since: dict[str, float] = {}  # requests waiting for an executor, since when
         self._next_wait_check = 0.0
         self.step_failures: dict[str, int] = {}  # failed steps per live request
+        # For a restart (see the module): per live request, the offset of its record on the
+        # tokenized topic, and an offset of the generated topic at or below its first event.
+        self.sources: dict[str, int] = {}
+        self.generated_start: dict[str, int] = {}
+        self.generated_end = 0  # the offset after the last generated record acknowledged
+        self.resume: dict[str, list[int]] = {}  # read from the log: live requests' outputs
+        self.replay_start = 0  # where `recover` read the generated topic from
 
     def announcement(self) -> Outgoing:
-        """Sent once at start, so the tokenizer can tell a restart."""
-        return Outgoing(topics.GENERATED, SchedulerAnnouncement(scheduler_id=self.scheduler_id))
+        """Sent once at start: the end of what `recover` reads, and for the tokenizer the news
+        that its streams go on (this scheduler resumes its predecessor's requests)."""
+        return Outgoing(
+            topics.GENERATED, SchedulerAnnouncement(scheduler_id=self.scheduler_id, resumes=True)
+        )
+
+    def recover(self, start: int, messages: Iterable[object]) -> None:
+        """Rebuild from the generated topic's records from offset `start` up to this scheduler's
+        announcement: which requests finished, and what each live one generated so far."""
+        self.replay_start = self.generated_end = start
+        for message in messages:
+            events = (
+                message.events
+                if isinstance(message, GeneratedBatch)
+                else (message,) if isinstance(message, GeneratedTokens) else ()
+            )
+            for event in events:
+                if event.finish_reason is not None:
+                    self.finished.add(event.request_id)
+                    self.resume.pop(event.request_id, None)
+                    continue
+                outputs = self.resume.setdefault(event.request_id, [])
+                if event.index > len(outputs):
+                    # Cannot be, while the progress stays below every live request's events.
+                    log.error("request %s: events from index %d are missing", event.request_id, len(outputs))
+                    continue
+                # Events of one request are in index order; one read twice overlaps.
+                outputs.extend(event.token_ids[len(outputs) - event.index :])
+        log.info("recovered %d live requests from the log", len(self.resume))
+
+    def on_sent(self, out: Outgoing, offset: int) -> None:
+        """The broker acknowledged a record at `offset` (see the module: a restart's bounds)."""
+        if out.topic == topics.GENERATED:
+            self.generated_end = max(self.generated_end, offset + 1)
+
+    def low_watermarks(self) -> dict[str, int]:
+        """The oldest tokenized record a restart must read again: the oldest live request's."""
+        return {topics.TOKENIZED: min(self.sources.values())} if self.sources else {}
+
+    def progress(self) -> dict[str, int]:
+        """Where a restart reads the generated topic from: below every live request's events."""
+        return {topics.GENERATED: min(self.generated_start.values(), default=self.generated_end)}
 
     def on_step_results(self, message: StepResult | ExecutorAnnouncement) -> list[Outgoing]:
         if message.executor_id == self.executor_id:
@@ -154,7 +211,10 @@ class SchedulerHandler:
         self.pending.clear()
         return out
 
-    def on_tokenized(self, message: EngineRequest | FinishRequest, headers: Headers = ()) -> list[Outgoing]:
+    def on_tokenized(
+        self, message: EngineRequest | FinishRequest, headers: Headers = (), offset: int | None = None
+    ) -> list[Outgoing]:
+        """`offset`: the record's, on the tokenized topic (None: not from the log)."""
         request_id = message.request_id
         if isinstance(message, FinishRequest):
             if self.pending.pop(request_id, None) is not None:  # never reached the scheduler
@@ -175,6 +235,10 @@ class SchedulerHandler:
         if request_id in self.finished:
             return []  # a redelivered request that already ran
         self.headers.setdefault(request_id, headers)
+        if offset is not None:
+            self.sources.setdefault(request_id, offset)
+        start = self.replay_start if request_id in self.resume else self.generated_end
+        self.generated_start.setdefault(request_id, start)
         if self.executor_id is None:
             if len(self.pending) >= self.options.max_waiting_requests:
                 error = f"overloaded: {len(self.pending)} requests wait for an executor"
@@ -191,7 +255,7 @@ class SchedulerHandler:
         if request.request_id in self.scheduler.requests:
             return []  # a redelivered request
         try:
-            self.scheduler.add(request)
+            self.scheduler.add(request, self.resume.pop(request.request_id, ()))
         except ValueError as error:
             return [self._refused(request.request_id, str(error))]
         return []
@@ -205,6 +269,7 @@ class SchedulerHandler:
     def on_step_result(self, result: StepResult) -> list[Outgoing]:
         if (
             self.scheduler is None
+            or result.scheduler_id != self.scheduler_id
             or result.executor_id != self.executor_id
             or result.epoch != self.epoch
             or result.step_id not in self.in_flight
@@ -236,6 +301,7 @@ class SchedulerHandler:
             failed = StepResult(
                 step_id=message.step_id,
                 executor_id=message.executor_id,
+                scheduler_id=message.scheduler_id,
                 epoch=message.epoch,
                 error=f"the step plan could not be sent: {error}",
             )
@@ -332,4 +398,6 @@ class SchedulerHandler:
             self.headers.pop(event.request_id, None)
             self.step_failures.pop(event.request_id, None)
             self.waiting_since.pop(event.request_id, None)
+            self.sources.pop(event.request_id, None)
+            self.generated_start.pop(event.request_id, None)
             self.finished.add(event.request_id)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from parkade.schemas import topics
 from parkade.services.bus.base import Bus
 from parkade.services.bus.runtime import run_service, service_parser
-from parkade.services.bus.serve import send_all, serve
+from parkade.services.bus.serve import read_log, send_all, serve
 from parkade.services.common.flags import Flag, add_flags, dataclass_flags, flag_values
 from parkade.services.scheduler.config import SchedulingOptions
 from parkade.services.scheduler.handler import (
@@ -47,13 +47,20 @@ async def run(
     stop: asyncio.Event,
     ready: Callable[[], None] | None = None,
 ) -> None:
-    await send_all(bus, [handler.announcement()], prefix)
+    # Resume what a predecessor left (see SchedulerHandler): the generated topic from the saved
+    # progress up to this scheduler's announcement. Without a saved progress, from the start.
+    (marker,) = await send_all(bus, [handler.announcement()], prefix)
+    start = await bus.load_progress(f"{GROUP_ID}.progress", topics.topic_name(topics.GENERATED, prefix))
+    start = start or 0
+    handler.recover(start, await read_log(bus, topics.GENERATED, prefix, start, marker))
     await serve(
         bus,
         prefix=prefix,
         group_id=GROUP_ID,
         handlers={
-            topics.TOKENIZED: lambda message, record: handler.on_tokenized(message, record.headers),
+            topics.TOKENIZED: lambda message, record: handler.on_tokenized(
+                message, record.headers, record.offset
+            ),
             topics.STEP_RESULTS: lambda message, record: handler.on_step_results(message),
         },
         after_batch=handler.next_plans,
@@ -61,6 +68,9 @@ async def run(
         ready=ready,
         poll_ms=10,
         on_send_error=handler.on_send_error,
+        on_sent=handler.on_sent,
+        low_watermarks=handler.low_watermarks,
+        progress=handler.progress,
     )
 
 

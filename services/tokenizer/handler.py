@@ -6,16 +6,27 @@ does the work, this maps it to and from the topics.
     generated topic  GeneratedBatch (a step's) / GeneratedTokens (one request's end)
                                      -> TokenEvent per event (tokens topic): text deltas, stop
                      strings; a matched stop string also sends FinishRequest(stop) to the scheduler
-                     SchedulerAnnouncement of a new scheduler -> error events for open streams
+                     SchedulerAnnouncement: a restarted scheduler resumes the open streams
+                     (`resumes`); one that does not ends them with error events
 
 Idempotent under redelivery: a request id is tokenized once, and token messages whose index is
 behind the stream's are dropped. A request that cannot be served gets one TokenEvent with
 finish_reason "error".
+
+A restart loses nothing (see the README's "What is durable where"): the group's commits never
+pass the request record of the oldest open stream (`low_watermarks`), nor the generated topic
+below its first event, so a restarted tokenizer reads every open stream's request and events
+again, rebuilds the stream (detokenizer offsets, stop-string hold-back, usage) and sends its
+events again: the client drops the indices it has (at-least-once), and gets the final event
+even if the crash came before it went out. Events read before their request (the two topics are
+read side by side) wait as orphans for it, at most `orphan_wait_s`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from parkade.schemas import (
     AbortRequest,
@@ -39,11 +50,30 @@ from parkade.services.tokenizer.frontend import FrontEnd, RequestStream, StreamU
 Source = tuple[str, int, int]
 
 
+# How long events wait for their request after a restart (both are re-read at full speed).
+ORPHAN_WAIT_S = 30.0
+# In `finished`: a request that ended before a restart, known only from its events; its
+# request record, read again, is a redelivery.
+ENDED_BEFORE_RESTART = "ended before a restart"
+
+
 @dataclass
 class _Open:
     stream: RequestStream
     headers: Headers  # the request's trace context, passed on with every record about it
     source: Source | None = None
+    # An offset of the generated topic at or below the stream's first event (None: below the
+    # next record read).
+    generated_start: int | None = None
+
+
+@dataclass
+class _Orphan:
+    """Events of a request not (yet) read again after a restart."""
+
+    deadline: float
+    generated_start: int | None
+    events: list[GeneratedTokens] = field(default_factory=list)
 
 
 def error_event(request_id: str, message: str, headers: Headers = (), index: int = 0) -> Outgoing:
@@ -66,11 +96,21 @@ def token_event(request_id: str, update: StreamUpdate) -> TokenEvent:
 
 
 class TokenizerHandler:
-    def __init__(self, frontend: FrontEnd) -> None:
+    def __init__(
+        self,
+        frontend: FrontEnd,
+        *,
+        orphan_wait_s: float = ORPHAN_WAIT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.frontend = frontend
         self.streams: dict[str, _Open] = {}
         self.finished = RecentIds()  # to drop redelivered requests and late messages
         self.scheduler_id: str | None = None
+        self.orphans: dict[str, _Orphan] = {}
+        self.orphan_wait_s = orphan_wait_s
+        self.clock = clock
+        self.generated_position: int | None = None  # the offset after the last generated record
 
     def on_request(
         self, message: GenerateRequest | AbortRequest, headers: Headers = (), source: Source | None = None
@@ -91,7 +131,7 @@ class TokenizerHandler:
             error = f"request id {request_id!r} is in use by a live request"
             return [error_event(request_id, error, headers)]
         if request_id in self.finished:
-            if source is None or self.finished.get(request_id) == source:
+            if source is None or self.finished.get(request_id) in (source, ENDED_BEFORE_RESTART):
                 return []  # a redelivered request
             error = f"request id {request_id!r} was used by a request that ended recently; use a fresh id"
             return [error_event(request_id, error, headers)]
@@ -100,12 +140,73 @@ class TokenizerHandler:
         except Exception as error:  # a bad prompt or chat template fails this request only
             self.finished.add(request_id, source)
             return [error_event(request_id, str(error), headers)]
-        self.streams[request_id] = _Open(stream, headers, source)
-        return [Outgoing(topics.TOKENIZED, request, request_id, headers)]
+        open_ = self.streams[request_id] = _Open(stream, headers, source, self.generated_position)
+        orphan = self.orphans.pop(request_id, None)
+        if orphan is None:
+            return [Outgoing(topics.TOKENIZED, request, request_id, headers)]
+        # Read again after a restart: its events so far go out again (the client drops what it
+        # has), and the scheduler hears of it again (it drops what it knows).
+        starts = [x for x in (orphan.generated_start, open_.generated_start) if x is not None]
+        open_.generated_start = min(starts, default=None)
+        out: list[Outgoing] = []
+        for event in orphan.events:
+            out += self._tokens_or_error(event)
+        if request_id in self.streams:
+            out.append(Outgoing(topics.TOKENIZED, request, request_id, headers))
+        return out
+
+    def low_watermarks(self) -> dict[str, int]:
+        """What a restart must read again (see the module): the open streams' request records,
+        and the generated topic from below their first events."""
+        out = {}
+        sources = [o.source[2] for o in self.streams.values() if o.source is not None]
+        if sources:
+            out[topics.REQUESTS] = min(sources)
+        starts = [
+            start
+            for start in (
+                *(o.generated_start for o in self.streams.values()),
+                *(o.generated_start for o in self.orphans.values()),
+            )
+            if start is not None
+        ]
+        if starts:
+            out[topics.GENERATED] = min(starts)
+        return out
+
+    def check_orphans(self) -> list[Outgoing]:
+        """After every poll: orphans whose request did not come within `orphan_wait_s`. One that
+        ended is forgotten; one still running cannot be rebuilt, so its client gets an error
+        event and the scheduler stops it."""
+        if not self.orphans:
+            return []
+        now, out = self.clock(), []
+        for request_id, orphan in list(self.orphans.items()):
+            if now < orphan.deadline:
+                continue
+            del self.orphans[request_id]
+            if any(e.finish_reason is not None for e in orphan.events):
+                self.finished.add(request_id, ENDED_BEFORE_RESTART)
+                continue
+            self.finished.add(request_id)
+            reason = "the tokenizer lost this request's state (restarted)"
+            finish = FinishRequest(request_id=request_id, reason=FinishReason.ABORT)
+            index = orphan.events[0].index if orphan.events else 0
+            out.append(error_event(request_id, reason, index=index))
+            out.append(Outgoing(topics.TOKENIZED, finish, request_id))
+        return out
 
     def on_generated(
-        self, message: GeneratedBatch | GeneratedTokens | SchedulerAnnouncement
+        self, message: GeneratedBatch | GeneratedTokens | SchedulerAnnouncement, offset: int | None = None
     ) -> list[Outgoing]:
+        """`offset`: the record's, on the generated topic (None: not from the log)."""
+        if offset is not None:
+            if self.generated_position is None:
+                # Streams opened before the first generated record: their events are at or after it.
+                for open_ in self.streams.values():
+                    if open_.generated_start is None:
+                        open_.generated_start = offset
+            self.generated_position = offset + 1
         if isinstance(message, SchedulerAnnouncement):
             return self.on_scheduler_announcement(message)
         if isinstance(message, GeneratedBatch):
@@ -133,9 +234,10 @@ class TokenizerHandler:
             ]
 
     def on_scheduler_announcement(self, message: SchedulerAnnouncement) -> list[Outgoing]:
-        """A new scheduler knows none of the running requests: end their streams."""
+        """A new scheduler that resumes its predecessor's requests: nothing to do. One that does
+        not knows none of the running requests: end their streams."""
         previous, self.scheduler_id = self.scheduler_id, message.scheduler_id
-        if previous is None or previous == message.scheduler_id:
+        if previous is None or previous == message.scheduler_id or message.resumes:
             return []
         out = []
         for request_id, open_ in list(self.streams.items()):
@@ -154,14 +256,16 @@ class TokenizerHandler:
         request_id = message.request_id
         open_ = self.streams.get(request_id)
         if open_ is None:
-            if request_id in self.finished or message.finish_reason is not None:
+            if request_id in self.finished:
                 return []  # finished already
-            # Tokens of a request this tokenizer never saw (it restarted): the text cannot be
-            # rebuilt, so end the client's stream with an error and stop the scheduler.
-            self.finished.add(request_id)
-            reason = "the tokenizer lost this request's state (restarted)"
-            finish = FinishRequest(request_id=request_id, reason=FinishReason.ABORT)
-            return [error_event(request_id, reason), Outgoing(topics.TOKENIZED, finish, request_id)]
+            # A request not read again yet after a restart: its events wait for it (see the
+            # module), and a stream that never comes back is answered by `check_orphans`.
+            orphan = self.orphans.get(request_id)
+            if orphan is None:
+                start = None if self.generated_position is None else self.generated_position - 1
+                orphan = self.orphans[request_id] = _Orphan(self.clock() + self.orphan_wait_s, start)
+            orphan.events.append(message)
+            return []
         update = open_.stream.update(message)
         if update is None:
             return []  # a redelivered message

@@ -48,8 +48,10 @@ async def run(
             topics.REQUESTS: lambda message, record: handler.on_request(
                 message, record.headers, (record.topic, record.partition, record.offset)
             ),
-            topics.GENERATED: lambda message, record: handler.on_generated(message),
+            topics.GENERATED: lambda message, record: handler.on_generated(message, record.offset),
         },
+        after_batch=handler.check_orphans,
+        low_watermarks=handler.low_watermarks,
         on_bad_record=lambda record, error: (
             bad_request(record, error)
             if record.topic.endswith(topics.REQUESTS)

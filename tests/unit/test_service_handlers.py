@@ -176,7 +176,9 @@ def drive(handler, executor, rounds=50, seen_plans=None):
             seen_plans += plans
         for plan in plans:
             result = executor.execute(plan)
-            result = msgspec.structs.replace(result, executor_id=plan.executor_id, epoch=plan.epoch)
+            result = msgspec.structs.replace(
+                result, executor_id=plan.executor_id, scheduler_id=plan.scheduler_id, epoch=plan.epoch
+            )
             for o in handler.on_step_result(result):  # one record per step
                 assert o.topic == topics.GENERATED and isinstance(o.message, GeneratedBatch)
                 for event in o.message.events:
@@ -217,7 +219,13 @@ def test_a_new_executor_makes_the_scheduler_recompute_everything():
     handler.on_tokenized(engine_request("a", max_tokens=8))
     (plan, _) = [o.message for o in handler.next_plans()]
     handler.on_step_result(
-        StepResult(step_id=plan.step_id, executor_id="e1", request_ids=("a",), sampled_token_ids=(7,))
+        StepResult(
+            step_id=plan.step_id,
+            executor_id="e1",
+            scheduler_id=plan.scheduler_id,
+            request_ids=("a",),
+            sampled_token_ids=(7,),
+        )
     )
     handler.on_announcement(announce("e2"))  # e1 died: its KV pool is gone
     assert not handler.in_flight and handler.scheduler.kv.num_free_blocks == 64
@@ -301,12 +309,79 @@ def test_executor_handler_runs_each_plan_once_and_follows_a_new_scheduler():
     assert fake.executed == [1, 1] and fake.requests == {}
 
 
-def test_tokens_of_a_request_the_tokenizer_never_saw_end_its_stream(stories_frontend):
-    handler = TokenizerHandler(stories_frontend)
-    error, finish = handler.on_generated(GeneratedTokens(request_id="lost", index=3, token_ids=(5,)))
-    assert error.message.finish_reason == "error" and "restarted" in error.message.error
+def test_tokens_of_a_request_the_tokenizer_never_saw_wait_for_it_then_end_its_stream(stories_frontend):
+    now = [0.0]
+    handler = TokenizerHandler(stories_frontend, orphan_wait_s=30, clock=lambda: now[0])
+    assert handler.on_generated(GeneratedTokens(request_id="lost", index=3, token_ids=(5,)), 7) == []
+    done = GeneratedTokens(request_id="ended", index=0, token_ids=(5,), finish_reason=FinishReason.LENGTH)
+    assert handler.on_generated(done, 8) == []
+    assert handler.check_orphans() == [] and handler.low_watermarks() == {topics.GENERATED: 7}
+    now[0] = 31.0  # their requests were not read again: "lost" was running, "ended" had ended
+    error, finish = handler.check_orphans()
+    assert error.message.request_id == "lost" and error.message.finish_reason == "error"
+    assert "restarted" in error.message.error
     assert finish.message == FinishRequest(request_id="lost", reason=FinishReason.ABORT)
     assert handler.on_generated(GeneratedTokens(request_id="lost", index=4, token_ids=(6,))) == []
+    assert not handler.orphans and handler.low_watermarks() == {}
+    # The request of one that ended, read again late, is a redelivery.
+    assert handler.on_request(GenerateRequest(request_id="ended", prompt="Once"), (), ("t", 0, 1)) == []
+
+
+def _stream_text(outgoing):
+    events = [o.message for o in outgoing if o.topic == topics.TOKENS]
+    return events, "".join(e.text for e in events)
+
+
+def test_a_restarted_tokenizer_rebuilds_its_streams_from_the_log(stories_frontend, stories_tokenizer):
+    """The events read again before or after their request: either way, the stream's text (with
+    a stop string's hold-back) is what the first tokenizer would have sent, and the last event
+    is not lost."""
+    ids = stories_tokenizer.encode(" a time there was a little girl", add_special_tokens=False)
+    params = SamplingParams(max_tokens=20, stop=["little girl"])
+    request = GenerateRequest(request_id="r", prompt="Once upon", sampling_params=params)
+    events = [GeneratedTokens(request_id="r", index=i, token_ids=(t,)) for i, t in enumerate(ids)]
+    first = TokenizerHandler(stories_frontend)
+    (engine,) = first.on_request(request, (), (topics.REQUESTS, 0, 4))
+    full = []
+    for offset, event in enumerate(events, start=10):
+        full += first.on_generated(event, offset)
+        if offset == 10:  # opened before any generated record was read: from the first one
+            assert first.low_watermarks() == {topics.REQUESTS: 4, topics.GENERATED: 10}
+    expected, expected_text = _stream_text(full)
+    assert expected[-1].finish_reason == "stop" and expected_text.endswith("there was a ")
+    cut = 3  # the first tokenizer died after sending the events of the first three tokens
+    for events_first in (True, False):
+        second = TokenizerHandler(stories_frontend)
+        out = []
+        if events_first:
+            for offset, event in enumerate(events[:cut], start=10):
+                out += second.on_generated(event, offset)
+            assert out == [] and second.low_watermarks() == {topics.GENERATED: 10}
+        out += second.on_request(request, (), (topics.REQUESTS, 0, 4))
+        (again,) = [o.message for o in out if o.topic == topics.TOKENIZED]
+        assert msgspec.structs.replace(again, arrival_time=0.0) == msgspec.structs.replace(
+            engine.message, arrival_time=0.0
+        )
+        assert second.low_watermarks()[topics.REQUESTS] == 4
+        start = 10 if events_first else 0
+        for offset, event in enumerate(events, start=start):
+            out += second.on_generated(event, offset)  # read again, or new
+        got, text = _stream_text(out)
+        assert text == expected_text and got[-1] == expected[-1]
+        assert {e.index for e in got if e.token_ids} == {e.index for e in expected if e.token_ids}
+        assert not second.streams and second.low_watermarks() == {}
+
+
+def test_a_tokenizer_stream_read_again_after_it_ended_sends_its_last_event_again(stories_frontend):
+    """The crash came after the final event was handled but before it went out."""
+    request = GenerateRequest(request_id="r", prompt="Once", sampling_params=SamplingParams(max_tokens=2))
+    handler = TokenizerHandler(stories_frontend)
+    handler.on_generated(GeneratedTokens(request_id="r", index=0, token_ids=(5,)), 20)
+    done = GeneratedTokens(request_id="r", index=1, token_ids=(6,), finish_reason=FinishReason.LENGTH)
+    handler.on_generated(done, 21)
+    out = handler.on_request(request, (), (topics.REQUESTS, 0, 3))
+    assert [o.topic for o in out] == [topics.TOKENS, topics.TOKENS]  # no EngineRequest: it ended
+    assert out[-1].message.finish_reason == "length" and not handler.streams
 
 
 def test_a_broken_chat_template_fails_only_its_request():
@@ -338,18 +413,70 @@ def test_an_executor_with_another_pool_ends_live_requests_with_an_error():
     )
 
 
-def test_a_restarted_scheduler_ends_the_open_streams(stories_frontend):
+def test_a_restarted_scheduler_keeps_the_open_streams_unless_it_lost_them(stories_frontend):
     from parkade.schemas import SchedulerAnnouncement
 
     handler = TokenizerHandler(stories_frontend)
     assert handler.on_generated(SchedulerAnnouncement(scheduler_id="s1")) == []  # the first one
     handler.on_request(GenerateRequest(request_id="r", prompt="Once"))
     assert handler.on_generated(SchedulerAnnouncement(scheduler_id="s1")) == []  # the same one again
-    (out,) = handler.on_generated(SchedulerAnnouncement(scheduler_id="s2"))
+    assert handler.on_generated(SchedulerAnnouncement(scheduler_id="s2", resumes=True)) == []
+    assert "r" in handler.streams
+    (out,) = handler.on_generated(SchedulerAnnouncement(scheduler_id="s3"))  # one that does not resume
     assert out.message.request_id == "r" and out.message.finish_reason == "error"
     assert "scheduler restarted" in out.message.error and not handler.streams
     scheduler = SchedulerHandler(SchedulingOptions())
-    assert scheduler.announcement().message == SchedulerAnnouncement(scheduler_id=scheduler.scheduler_id)
+    assert scheduler.announcement().message == SchedulerAnnouncement(
+        scheduler_id=scheduler.scheduler_id, resumes=True
+    )
+
+
+def test_a_restarted_scheduler_resumes_each_request_at_its_next_index():
+    """What the first scheduler generated is read back from the log: the second one recomputes
+    prompt + outputs and goes on from the next index; finished requests are not run again."""
+    first = SchedulerHandler(SchedulingOptions())
+    first.on_announcement(announce("e1"))
+    for request_id in ("a", "b", "c"):
+        first.on_tokenized(engine_request(request_id, max_tokens=8), (), offset=ord(request_id))
+    assert first.low_watermarks() == {topics.TOKENIZED: ord("a")}
+    log_ = []  # the generated topic
+    executor = FakeExecutor(vocab_size=50, seed=7, block_size=4)
+    for _ in range(2):  # a few steps, then the first scheduler dies
+        for plan_out in first.next_plans():
+            plan = plan_out.message
+            result = msgspec.structs.replace(
+                executor.execute(plan), executor_id="e1", scheduler_id=plan.scheduler_id, epoch=plan.epoch
+            )
+            for out in first.on_step_result(result):
+                first.on_sent(out, len(log_))
+                log_.append(out.message)
+    generated = {}
+    for message in log_:
+        for event in message.events:
+            generated.setdefault(event.request_id, []).extend(event.token_ids)
+    (ended,) = first.on_tokenized(FinishRequest(request_id="c"), (), offset=200)  # aborted
+    first.on_sent(ended, len(log_))
+    log_.append(ended.message)
+    assert len(generated["a"]) >= 2 and first.progress() == {topics.GENERATED: 0}  # live since 0
+    assert first.low_watermarks() == {topics.TOKENIZED: ord("a")}
+
+    second = SchedulerHandler(SchedulingOptions())
+    second.recover(0, log_)
+    assert set(second.resume) == {"a", "b"} and "c" in second.finished
+    assert second.resume["a"] == generated["a"]
+    second.on_announcement(announce("e1"))
+    for request_id in ("a", "b", "c"):  # read again: its commit stayed at "a"
+        second.on_tokenized(engine_request(request_id, max_tokens=8), (), offset=ord(request_id))
+    plans = []
+    out = drive(second, FakeExecutor(vocab_size=50, seed=8, block_size=4), seen_plans=plans)
+    resumed = {new.request_id: new for new in plans[0].new_requests}
+    assert set(resumed) == {"a", "b"} and "c" not in out
+    for request_id in ("a", "b"):
+        done = len(generated[request_id])
+        assert resumed[request_id].token_ids[-done:] == tuple(generated[request_id])
+        assert resumed[request_id].num_prompt_tokens == len(resumed[request_id].token_ids) - done
+        assert [e.index for e in out[request_id]] == list(range(done, 8))
+    assert second.low_watermarks() == {} and second.progress() == {topics.GENERATED: 0}
 
 
 def test_the_service_path_stamps_each_request_with_its_arrival(stories_frontend):
