@@ -30,7 +30,7 @@ import msgspec
 
 from parkade import home
 from parkade.schemas import AbortRequest, ChatMessage, GenerateRequest, SamplingParams, TokenEvent, topics
-from parkade.services.bus.base import Bus, Outgoing
+from parkade.services.bus.base import Bus, Outgoing, RecordRejected
 from parkade.services.bus.serve import send_all
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class Client:
         self.idle_timeout_s = idle_timeout_s
         self._streams: dict[str, _Stream] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._closing = False
         self._decoder = topics.decoder(topics.TOKENS)
 
     async def start(self) -> None:
@@ -111,7 +112,7 @@ class Client:
         loop = asyncio.get_running_loop()
         last_record = loop.time()
         try:
-            while True:
+            while not self._closing:
                 records = await consumer.getmany(timeout_ms=100)
                 if records:
                     last_record = loop.time()
@@ -140,11 +141,15 @@ class Client:
     async def stop(self) -> None:
         """Close; never raises (the broker may be gone already)."""
         if self._reader is not None:
+            # NOTE: the flag as well as the cancel: on Python 3.11, a cancel that lands as
+            # asyncio.wait_for's inner wait completes is swallowed, and the loop would go on.
+            self._closing = True
             self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
+            await asyncio.wait({self._reader}, timeout=PROBE_S)
+            if self._reader.done() and not self._reader.cancelled():
+                self._reader.exception()  # retrieved: it was reported to the streams
         try:
-            await self.bus.close()
+            await asyncio.wait_for(self.bus.close(), PROBE_S)  # bounded as `cancel`
         except Exception as error:
             log.debug("closing the client's bus: %s", error)
 
@@ -181,9 +186,16 @@ class Client:
         traceparent = new_traceparent()
         self._streams[request.request_id] = _Stream(traceparent)
         headers = (("traceparent", traceparent),)
-        await send_all(
-            self.bus, [Outgoing(topics.REQUESTS, request, request.request_id, headers)], self.prefix
-        )
+        try:
+            await send_all(
+                self.bus, [Outgoing(topics.REQUESTS, request, request.request_id, headers)], self.prefix
+            )
+        except RecordRejected:  # too large for the broker: the caller's to fix
+            self._streams.pop(request.request_id, None)
+            raise
+        except Exception as error:
+            self._streams.pop(request.request_id, None)
+            raise PipelineGoneError(f"the request could not be sent: {error}") from error
         return request.request_id
 
     async def stream(self, request_id: str, timeout_s: float | None = None) -> AsyncIterator[TokenEvent]:
@@ -193,21 +205,25 @@ class Client:
         queue = self._streams[request_id].queue
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
-        finished = False
+        finished = gone = False
         next_index = 0
         try:
             while not finished:
                 event = await self._next_event(queue, request_id, deadline)
                 if isinstance(event, BaseException):
+                    gone = isinstance(event, PipelineGoneError)
                     raise event
                 if event.token_ids and event.index < next_index:
                     continue  # a duplicate (at-least-once delivery)
                 next_index = event.index + len(event.token_ids)
                 finished = event.finish_reason is not None
                 yield event
+        except PipelineGoneError:
+            gone = True
+            raise
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
+            if not finished and not gone:  # nothing to abort where nothing answers
                 await self.cancel(request_id)
 
     async def _next_event(
@@ -235,10 +251,8 @@ class Client:
         """Abort a request; its stream ends with finish_reason "abort". Never raises: on the
         way out, a broker that is gone has nothing to abort."""
         try:
-            await send_all(
-                self.bus,
-                [Outgoing(topics.REQUESTS, AbortRequest(request_id=request_id), request_id)],
-                self.prefix,
-            )
+            abort = Outgoing(topics.REQUESTS, AbortRequest(request_id=request_id), request_id)
+            # Bounded: a producer retries a lost broker for its whole request timeout (40 s).
+            await asyncio.wait_for(send_all(self.bus, [abort], self.prefix), PROBE_S)
         except Exception as error:
             log.debug("could not cancel request %s: %s", request_id, error)

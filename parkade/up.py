@@ -16,7 +16,9 @@ lines are shown if it fails.
 Supervision: a service that exits while serving is restarted, after a backoff that doubles with
 each quick failure (1 s up to 30 s; back to 1 s after a minute of running), and its log gets a
 line with the restart count; its work waits in the topics meanwhile. The broker exiting stops
-everything: the topics lived in its memory.
+everything: the topics lived in its memory; so does a service that refuses to start because
+another instance serves the same topics (a second `parkade up` on this broker: it stops, the
+first one serves on).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from parkade.home import parkade_home, read_state, remove_state, write_state
 from parkade.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from parkade.schemas.topics import DEFAULT_PREFIX
 from parkade.services import SERVICES
-from parkade.services.bus.runtime import BROKER_WAIT_S
+from parkade.services.bus.runtime import BROKER_WAIT_S, EXIT_DUPLICATE
 from parkade.services.common.flags import Flag, add_flags, flag_values, to_argv
 from parkade.services.common.model_config import read_max_position_embeddings
 from parkade.services.common.model_files import check_model_folder
@@ -266,6 +268,8 @@ async def _supervise(children: list[Child], log_dir: Path, state: dict) -> bool:
             print(child.report(f"exited with code {task.result()}"), file=sys.stderr)
             if child.name == "broker":
                 return False  # the topics lived in its memory: nothing can go on
+            if task.result() == EXIT_DUPLICATE:
+                return False  # another instance serves these topics: restarting cannot help
             if loop.time() - started[child.name] >= RESTART_RESET_S:
                 backoff[child.name] = RESTART_BACKOFF_S[0]
             wait_s = backoff[child.name]

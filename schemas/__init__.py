@@ -13,6 +13,7 @@ from parkade.schemas.engine import (
     TokenLogprobs,
 )
 from parkade.schemas.events import TokenEvent, Usage
+from parkade.schemas.instances import InstanceHeartbeat
 from parkade.schemas.requests import AbortRequest, ChatMessage, GenerateRequest
 from parkade.schemas.sampling import MAX_LOGPROBS, SamplingParams
 from parkade.schemas.steps import (
@@ -37,6 +38,7 @@ __all__ = [
     "GenerateRequest",
     "GeneratedBatch",
     "GeneratedTokens",
+    "InstanceHeartbeat",
     "NewRequestData",
     "SamplingParams",
     "SchedulerAnnouncement",

@@ -102,3 +102,7 @@ class ExecutorAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="execu
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
     heartbeat: int = 0  # 0 at start, then counts up
+    # Whose plans it follows, and under which epoch: an epoch ahead of the scheduler's means a
+    # failed step whose answer the scheduler never matched (a plan it did not send).
+    scheduler_id: str = ""
+    epoch: int = 0

@@ -18,12 +18,14 @@ from parkade.schemas.engine import (
     SchedulerAnnouncement,
 )
 from parkade.schemas.events import TokenEvent
+from parkade.schemas.instances import InstanceHeartbeat
 from parkade.schemas.requests import AbortRequest, GenerateRequest
 from parkade.schemas.steps import ExecutorAnnouncement, StepPlan, StepResult
 
 # Sent in every record's `parkade-schema` header. 2: the generated topic carries GeneratedBatch;
-# 3: step plans and results carry an epoch, and a result an error.
-SCHEMA_VERSION = 3
+# 3: step plans and results carry an epoch, and a result an error; 4: the instances topic, and a
+# scheduler's announcement says whether it resumes.
+SCHEMA_VERSION = 4
 DEFAULT_PREFIX = "parkade."
 
 REQUESTS = "requests"  # client -> tokenizer, keyed by request_id
@@ -33,6 +35,7 @@ STEP_RESULTS = "step-results"  # executor -> scheduler, one record per step
 GENERATED = "generated"  # scheduler -> tokenizer: token ids, one record per step
 TOKENS = "tokens"  # tokenizer -> clients, keyed by request_id
 DEAD_LETTER = "dead-letter"  # records that could not be decoded
+INSTANCES = "instances"  # every service, every second: it is there (one instance each)
 
 # The union each topic carries.
 TOPIC_TYPES: dict[str, Any] = {
@@ -42,10 +45,11 @@ TOPIC_TYPES: dict[str, Any] = {
     STEP_RESULTS: StepResult | ExecutorAnnouncement,
     GENERATED: GeneratedBatch | GeneratedTokens | SchedulerAnnouncement,
     TOKENS: TokenEvent,
+    INSTANCES: InstanceHeartbeat,
 }
 
 ENCODER = msgspec.msgpack.Encoder()
-ALL_TOPICS = (REQUESTS, TOKENIZED, STEP_PLANS, STEP_RESULTS, GENERATED, TOKENS, DEAD_LETTER)
+ALL_TOPICS = (REQUESTS, TOKENIZED, STEP_PLANS, STEP_RESULTS, GENERATED, TOKENS, DEAD_LETTER, INSTANCES)
 
 
 def topic_name(topic: str, prefix: str = DEFAULT_PREFIX) -> str:

@@ -29,13 +29,19 @@ class Pipeline:
 
 @contextlib.asynccontextmanager
 async def running_pipeline(
-    bus: Bus, model: Path, *, prefix: str, options: SchedulingOptions | None = None, **executor_kwargs
+    bus: Bus,
+    model: Path,
+    *,
+    prefix: str,
+    options: SchedulingOptions | None = None,
+    scheduler_kwargs: dict | None = None,
+    **executor_kwargs,
 ) -> AsyncIterator[Pipeline]:
     """The three handlers, built as the services' mains build them, serving on `bus`."""
     executor_kwargs.setdefault("dtype", "float32")
     pipeline = Pipeline(
         tokenizer_main.build_handler(TokenizerOptions(model=model)),
-        SchedulerHandler(options or SchedulingOptions()),
+        SchedulerHandler(options or SchedulingOptions(), **(scheduler_kwargs or {})),
         executor_main.build_handler(ExecutorOptions(model=model, **executor_kwargs)),
     )
     stop = asyncio.Event()

@@ -31,12 +31,11 @@ class MemoryConsumer:
         self.positions = {t: len(bus.topics[t]) if from_end else committed.get(t, 0) for t in topics}
 
     async def getmany(self, timeout_ms: int = 100) -> list[Record]:
-        async with self.bus.changed:
-            if not self._available():
-                try:
-                    await asyncio.wait_for(self.bus.changed.wait(), timeout_ms / 1000)
-                except TimeoutError:
-                    return []
+        if not self._available():
+            try:
+                await asyncio.wait_for(self.bus.changed.wait(), timeout_ms / 1000)
+            except TimeoutError:
+                return []
         out: list[Record] = []
         for topic in self.topics:
             records = self.bus.topics[topic][self.positions[topic] :]
@@ -61,15 +60,18 @@ class MemoryBus:
         self.topics: dict[str, list[Record]] = {}
         self.offsets: dict[str, dict[str, int]] = {}  # group -> topic -> next offset
         self.progress: dict[tuple[str, str], int] = {}  # (group, topic) -> a service's own offset
-        self.changed = asyncio.Condition()
+        # Set when a record arrives, then replaced: each waiter waits on the event of its time.
+        # NOTE: not an asyncio.Condition: a consumer cancelled while waiting on one could leave
+        # its lock held (seen on Python 3.11), and every later send then waited forever.
+        self.changed = asyncio.Event()
 
     async def send(
         self, topic: str, value: bytes, *, key: bytes | None = None, headers: Headers = ()
     ) -> None:
         records = self.topics.setdefault(topic, [])
         records.append(Record(topic, value, key, tuple(headers), 0, len(records)))
-        async with self.changed:
-            self.changed.notify_all()
+        self.changed.set()
+        self.changed = asyncio.Event()
 
     async def consumer(
         self,

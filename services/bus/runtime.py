@@ -5,8 +5,10 @@
 
 `run_service` checks the settings and builds the handler (a bad setting or model folder: one line,
 exit 2), waits for the broker (unreachable: one line, exit 1), creates the missing topics (one
-with several partitions: one line, exit 2), runs `serve` until SIGINT or SIGTERM, and prints
-`READY <service>` once the service consumes its topics (the line `parkade up` waits for).
+with several partitions: one line, exit 2), claims the service on these topics (another
+instance serving them: one line, exit 3; see `instances.py`), runs `serve` until SIGINT or
+SIGTERM, and prints `READY <service>` once the service consumes its topics (the line `parkade up`
+waits for).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import os
 import signal
 import sys
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -26,6 +29,7 @@ from parkade.services.bus.base import Bus
 
 H = TypeVar("H")
 BROKER_WAIT_S = 10.0
+EXIT_DUPLICATE = 3  # another instance serves these topics: `parkade up` does not restart it
 
 
 class Serve(Protocol[H]):
@@ -82,12 +86,13 @@ def run_service(
         await on_kafka(
             args.bootstrap_servers,
             args.topic_prefix,
-            f"parkade-{name}",
+            name,
             lambda bus: serve(bus, handler, prefix=args.topic_prefix, stop=stop, ready=_announce_ready(name)),
             wait_s=args.broker_wait,
             idempotence=args.idempotence,
         )
 
+    from parkade.services.bus.instances import DuplicateInstanceError
     from parkade.services.bus.kafka import BrokerUnreachableError, TopicLayoutError
 
     try:
@@ -100,25 +105,31 @@ def run_service(
     except TopicLayoutError as error:
         print(f"parkade {name}: {error}", file=sys.stderr)
         return 2
+    except DuplicateInstanceError as error:
+        print(f"parkade {name}: refusing to start: {error}", file=sys.stderr)
+        return EXIT_DUPLICATE
 
 
 async def on_kafka(
     bootstrap_servers: str,
     prefix: str,
-    client_id: str,
+    service: str,
     serve: Callable[[Any], Awaitable[None]],
     *,
     wait_s: float = BROKER_WAIT_S,
     idempotence: bool = False,
 ) -> None:
-    """Wait for the broker, create any missing topic, run `serve(bus)`, close the bus."""
+    """Wait for the broker, create any missing topic, claim `service` on the topics, run
+    `serve(bus)` (heartbeating), close the bus."""
+    from parkade.services.bus.instances import single_instance
     from parkade.services.bus.kafka import KafkaBus, wait_for_broker
 
     await wait_for_broker(bootstrap_servers, timeout_s=wait_s)
-    bus = KafkaBus(bootstrap_servers, client_id=client_id, idempotence=idempotence)
+    bus = KafkaBus(bootstrap_servers, client_id=f"parkade-{service}", idempotence=idempotence)
     try:
         await bus.create_topics(topics.all_topic_names(prefix))
-        await serve(bus)
+        async with single_instance(bus, service, prefix, uuid.uuid4().hex):
+            await serve(bus)
     finally:
         await bus.close()
 

@@ -286,9 +286,9 @@ class _Sends:
 async def _commit(consumer: Consumer, offsets: dict[str, int]) -> bool:
     try:
         await consumer.commit(offsets)
-    except CommitError:
+    except CommitError as error:
         # A rebalance took the partitions: the next owner reads the records again, which the
         # idempotent handlers absorb.
-        log.warning("commit failed; the records will be delivered again", exc_info=True)
+        log.warning("commit failed (%s); the records will be delivered again", error)
         return False
     return True

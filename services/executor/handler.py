@@ -53,6 +53,8 @@ class ExecutorHandler:
             vocab_size=config.vocab_size,
             eos_token_ids=self.eos_token_ids,
             heartbeat=self.num_heartbeats,
+            scheduler_id=self.scheduler_id or "",
+            epoch=self.epoch,
         )
         self.num_heartbeats += 1
         return Outgoing(topics.STEP_RESULTS, message)
@@ -69,7 +71,7 @@ class ExecutorHandler:
             return []  # made before the scheduler heard of a failure: void
         if plan.epoch > self.epoch:
             self.executor.reset()  # the scheduler recomputes every request from here
-            self.epoch = plan.epoch
+            self.epoch, self.last_step_id = plan.epoch, 0  # step ids are new in a new epoch
         if plan.step_id <= self.last_step_id:
             return []  # redelivered
         self.last_step_id = plan.step_id
@@ -97,7 +99,7 @@ class ExecutorHandler:
         table extended, a token appended), so all of it goes: the next epoch starts empty."""
         self.num_failed_steps += 1
         self.executor.reset()
-        self.epoch = step.epoch + 1
+        self.epoch, self.last_step_id = step.epoch + 1, 0
         return StepResult(
             step_id=step.step_id,
             executor_id=self.executor_id,

@@ -17,6 +17,9 @@ with an error event naming the cause (after its first, it runs alone). An execut
 from for `executor_timeout_s` (it announces itself every few seconds) is declared lost: its
 requests wait, and resume on the next executor that announces itself (the same one, if it comes
 back); a request that has waited `executor_wait_s` without an executor ends with an error event.
+Steps in flight with no answer for `step_timeout_s` from an executor that heartbeats (a record
+lost, a forged plan that moved the executor's step count) are void, and so are those of an
+epoch the executor's heartbeat says it has left: every request is recomputed.
 
 A restart loses nothing (see the README's "What is durable where"). The group's commit on the
 tokenized topic never passes the record of the oldest live request, so a restarted scheduler
@@ -69,6 +72,10 @@ DEFAULT_MAX_IN_FLIGHT = 2
 DEFAULT_EXECUTOR_TIMEOUT_S = 15.0
 # How long a request may wait while no executor is there to run it.
 DEFAULT_EXECUTOR_WAIT_S = 60.0
+# A step in flight this long without an answer, from an executor that still heartbeats, was lost
+# (a plan or result the broker lost, a plan the executor took for a redelivery): every request
+# is recomputed under a new epoch. Far above any step's time.
+DEFAULT_STEP_TIMEOUT_S = 120.0
 # A request in this many failed steps in a row ends with the error rather than run again. After
 # the first, it runs alone: a request the model cannot run fails alone twice more, while one that
 # only shared a step with it (or met a passing fault) succeeds there and starts counting again.
@@ -85,12 +92,13 @@ class SchedulerHandler:
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         executor_timeout_s: float = DEFAULT_EXECUTOR_TIMEOUT_S,
         executor_wait_s: float = DEFAULT_EXECUTOR_WAIT_S,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        if executor_timeout_s <= 0 or executor_wait_s <= 0:
-            raise ValueError("executor_timeout_s and executor_wait_s must be > 0")
+        if executor_timeout_s <= 0 or executor_wait_s <= 0 or step_timeout_s <= 0:
+            raise ValueError("executor_timeout_s, executor_wait_s and step_timeout_s must be > 0")
         self.options = options
         self.max_in_flight = max_in_flight
         self.executor_timeout_s = executor_timeout_s
@@ -101,6 +109,7 @@ class SchedulerHandler:
         # Why the options cannot work with the current executor's KV geometry (None: they can).
         self.config_error: str | None = None
         self.executor_id: str | None = None
+        self.vocab_size = 0  # the executor's model's
         self.retired_executors: set[str] = set()  # their late heartbeats must not switch back
         self.finished = RecentIds()  # to drop redelivered requests
         self.pending: dict[str, EngineRequest] = {}  # before an executor has announced itself
@@ -108,6 +117,8 @@ class SchedulerHandler:
         self.headers: dict[str, Headers] = {}  # per request: trace context to pass on
         self.epoch = 0  # of the executor's request state: see StepPlan.epoch
         self.last_heard = 0.0  # when the current executor last announced itself or answered
+        self.step_timeout_s = step_timeout_s
+        self.last_progress = 0.0  # when a step was last answered, or planned with none in flight
         self.waiting_since: dict[str, float] = {}  # requests waiting for an executor, since when
         self._next_wait_check = 0.0
         self.step_failures: dict[str, int] = {}  # failed steps per live request
@@ -173,6 +184,11 @@ class SchedulerHandler:
     def on_announcement(self, announcement: ExecutorAnnouncement) -> list[Outgoing]:
         if announcement.executor_id == self.executor_id:
             self.last_heard = self.clock()
+            if announcement.scheduler_id == self.scheduler_id and announcement.epoch > self.epoch:
+                # It failed a step and dropped its state, and the answer did not match a plan
+                # in flight (a plan this scheduler did not send): recompute as after a failure.
+                log.warning("the executor is at epoch %d, ahead of %d", announcement.epoch, self.epoch)
+                self._recompute_everything(epoch=announcement.epoch)
             return []  # a heartbeat
         if announcement.executor_id in self.retired_executors:
             return []  # a late heartbeat of an executor already replaced
@@ -180,6 +196,7 @@ class SchedulerHandler:
             self.retired_executors.add(self.executor_id)
         # (An executor declared lost is not retired: when it is heard again, it is adopted anew.)
         self.executor_id = announcement.executor_id
+        self.vocab_size = announcement.vocab_size
         self.last_heard = self.clock()
         self.waiting_since.clear()
         geometry = KVGeometry(announcement.num_blocks, announcement.block_size, announcement.max_model_len)
@@ -254,6 +271,10 @@ class SchedulerHandler:
             return [self._refused(request.request_id, self.config_error or "no scheduler")]
         if request.request_id in self.scheduler.requests:
             return []  # a redelivered request
+        if max(request.prompt_token_ids) >= self.vocab_size:
+            # The front end checks this; a record from elsewhere would fail the executor's step.
+            error = f"prompt_token_ids must be < {self.vocab_size} (the model's vocab_size)"
+            return [self._refused(request.request_id, error)]
         try:
             self.scheduler.add(request, self.resume.pop(request.request_id, ()))
         except ValueError as error:
@@ -277,6 +298,7 @@ class SchedulerHandler:
             return []  # from a replaced executor, of a void plan, or redelivered
         if result.error is not None:
             return self._on_failed_step(self.in_flight[result.step_id], result)
+        self.last_progress = self.clock()
         # Results come back in step order (one partition, one executor): older plans are done.
         while True:
             step_id, plan = self.in_flight.popitem(last=False)
@@ -343,6 +365,13 @@ class SchedulerHandler:
         """Declare the executor lost after `executor_timeout_s` of silence; end the requests that
         waited `executor_wait_s` without one. Runs after every poll."""
         now = self.clock()
+        if self.in_flight and now - self.last_progress > self.step_timeout_s:
+            log.warning(
+                "no answer to step %d for %.0f s: the steps in flight are void; recomputing",
+                next(iter(self.in_flight)),
+                now - self.last_progress,
+            )
+            self._recompute_everything()
         if self.executor_id is not None and now - self.last_heard > self.executor_timeout_s:
             log.warning(
                 "executor %s not heard from for %.0f s: lost; its requests wait for an executor",
@@ -375,6 +404,8 @@ class SchedulerHandler:
         out = self.check_executor()
         if self.scheduler is None or self.executor_id is None:
             return out
+        if not self.in_flight:
+            self.last_progress = self.clock()
         while len(self.in_flight) < self.max_in_flight:
             plan = self.scheduler.schedule()
             if not (plan.num_scheduled_tokens or plan.finished_request_ids or plan.preempted_request_ids):

@@ -16,6 +16,7 @@ from parkade.services.scheduler.handler import (
     DEFAULT_EXECUTOR_TIMEOUT_S,
     DEFAULT_EXECUTOR_WAIT_S,
     DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_STEP_TIMEOUT_S,
     SchedulerHandler,
 )
 
@@ -28,6 +29,12 @@ SERVICE_FLAGS = [
         float,
         DEFAULT_EXECUTOR_TIMEOUT_S,
         "seconds without a word from the executor after which it is declared lost",
+    ),
+    Flag(
+        "step_timeout_s",
+        float,
+        DEFAULT_STEP_TIMEOUT_S,
+        "seconds without the answer to a step after which the steps in flight are void",
     ),
     Flag(
         "executor_wait_s",

@@ -17,11 +17,14 @@ STOP_TIMEOUT_S = 60
 class Up:
     """A `parkade up` subprocess with its own PARKADE_HOME."""
 
-    def __init__(self, home: Path, *args: str) -> None:
+    def __init__(self, home: Path, *args: str, broker: str | None = None) -> None:
+        """`broker`: use that one (KAFKA_BOOTSTRAP_SERVERS), rather than start the embedded one."""
         self.home = home
         home.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "PARKADE_HOME": str(home)}
         self.env.pop("KAFKA_BOOTSTRAP_SERVERS", None)  # start the embedded broker
+        if broker is not None:
+            self.env["KAFKA_BOOTSTRAP_SERVERS"] = broker
         self.log_path = home / "up.log"
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(

@@ -234,3 +234,123 @@ def test_executor_steps_that_raise_are_recomputed_or_end_their_request_with_the_
         assert "".join(e.text for e in events) == exp.text
     assert poison[-1].finish_reason == "error" and "injected fault" in poison[-1].error
     assert "failed 3 steps" in poison[-1].error
+
+
+def _flipped(value: bytes, rng) -> bytes:
+    data = bytearray(value)
+    for _ in range(rng.randint(1, 3)):
+        i = rng.randrange(len(data))
+        data[i] ^= 1 << rng.randrange(8)
+    return bytes(data)
+
+
+def test_fuzzed_input_topics_leave_every_service_up_and_every_good_stream_exact(bootstrap_servers):
+    """Random bytes, truncated and bit-flipped copies of real records, wrong types, unknown tags,
+    absurd values and duplicate ids on each service's input topics, while good streams run: they
+    end with the in-process engine's text, each decodable request gets an error event, each
+    undecodable record reaches the dead-letter topic, and the pipeline serves on."""
+    import random
+
+    from parkade.schemas import (
+        EngineRequest,
+        ExecutorAnnouncement,
+        GeneratedTokens,
+        GenerateRequest,
+        StepPlan,
+        StepResult,
+        TokenEvent,
+    )
+
+    rng = random.Random(9)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [
+        o.outputs[0].text
+        for o in LLM(STORIES, dtype="float32", **ENGINE).generate(OPENINGS[:4], params)
+    ]
+    encode = topics.ENCODER.encode
+
+    async def body(pipeline, prefix):
+        name = lambda topic: topics.topic_name(topic, prefix)  # noqa: E731
+        bus = KafkaBus(bootstrap_servers, client_id="e2e-fuzz")
+        async with Client(bootstrap_servers, prefix) as client:
+            await _collect(client, "Mom said", params)  # real records to copy, of a finished request
+            real = {}
+            for topic in (topics.REQUESTS, topics.TOKENIZED, topics.STEP_PLANS):
+                reader = await bus.consumer([name(topic)], None, start={name(topic): 0})
+                real[topic] = [r.value for r in await reader.getmany(timeout_ms=1000)]
+                await reader.stop()
+            executor_id = pipeline.executor.executor_id
+            junk, fuzz = [], []  # (topic, bytes): undecodable ones, and all
+            inputs = (topics.TOKENIZED, topics.STEP_PLANS, topics.STEP_RESULTS, topics.GENERATED)
+            for topic in (topics.REQUESTS, *inputs):
+                for _ in range(5):
+                    junk.append((topic, rng.randbytes(rng.randint(0, 64))))
+            # Wrong types and unknown tags: dead letters, or on the requests topic (where the
+            # request id can be read) an error event for that id.
+            for topic in (topics.REQUESTS, *inputs):
+                unknown = encode({"type": "no-such-type", "request_id": "unknown-tag"})
+                wrong = encode(TokenEvent(request_id="wrong-type", index=0))
+                (fuzz if topic == topics.REQUESTS else junk).extend([(topic, unknown), (topic, wrong)])
+                for value in real.get(topic, [])[:6]:
+                    fuzz.append((topic, value[: rng.randrange(len(value))]))  # truncated
+                    fuzz.append((topic, _flipped(value, rng)))
+            fuzz += junk
+            absurd = [
+                (topics.REQUESTS, encode({"type": "generate", "request_id": "neg", "prompt": "hi",
+                                          "sampling_params": {"max_tokens": -5}})),
+                (topics.REQUESTS, encode(GenerateRequest(request_id="ids", prompt_token_ids=(10**9,)))),
+                (topics.REQUESTS, encode(GenerateRequest(request_id="big", prompt="a " * 5000))),
+                (topics.TOKENIZED, encode(EngineRequest(request_id="e-big", prompt_token_ids=(10**9,),
+                                                        sampling_params=params))),
+                (topics.STEP_PLANS, encode(StepPlan(step_id=10**9, executor_id=executor_id,
+                                                    scheduler_id="forged", epoch=7))),
+                (topics.STEP_PLANS, encode(StepPlan(step_id=-1, executor_id=executor_id))),
+                (topics.STEP_RESULTS, encode(StepResult(step_id=3, executor_id="forged", error="x"))),
+                (topics.STEP_RESULTS, encode(ExecutorAnnouncement(
+                    executor_id=executor_id, model="m", num_blocks=0, block_size=0, max_model_len=0,
+                    vocab_size=0))),
+                (topics.GENERATED, encode(GeneratedTokens(request_id="never-seen", index=10**6,
+                                                          token_ids=(10**9,)))),
+            ]
+            fuzz += absurd
+            rng.shuffle(fuzz)
+            refused = ("neg", "ids", "big", "unknown-tag", "wrong-type")
+            for rid in (*refused, "dup"):
+                client._streams[rid] = _Stream(traceparent=b"")  # listen for raw records' answers
+            good = [asyncio.create_task(_collect(client, p, params)) for p in OPENINGS[:4]]
+            live = asyncio.create_task(_collect(client, "Tim had a ball", params))
+            await asyncio.sleep(0.2)
+            dup = GenerateRequest(request_id="dup", prompt="hi")
+            for topic, value in fuzz:
+                await bus.send(name(topic), value)
+            # A second request with the id of a live one: answered with an error at once.
+            await bus.send(name(topics.REQUESTS), encode(dup))
+            await bus.send(name(topics.REQUESTS), encode(msgspec.structs.replace(dup, prompt="other")))
+            answers = {}
+            for rid in refused:
+                answers[rid] = [e async for e in client.stream(rid, timeout_s=60)]
+            dup_events = [e async for e in client.stream("dup", timeout_s=60)]
+            texts = ["".join(e.text for e in await task) for task in good]
+            await live
+            assert "e-big" in pipeline.scheduler.finished  # refused there: its token is not in the vocabulary
+            after = await _collect(client, "One day, a girl", params)  # still serving
+            dead = await bus.consumer([name(topics.DEAD_LETTER)], None, start={name(topics.DEAD_LETTER): 0})
+            letters = []
+            for _ in range(10):
+                letters += await dead.getmany(timeout_ms=300)
+            await dead.stop()
+        await bus.close()
+        letters = {(r.header("parkade-source").decode().rsplit(":", 2)[0], r.value) for r in letters}
+        return answers, dup_events, texts, after, letters, [(name(t), v) for t, v in junk]
+
+    answers, dup_events, texts, after, letters, junk = run_with_pipeline(
+        bootstrap_servers, body, scheduler_kwargs={"step_timeout_s": 5.0}
+    )
+    assert texts == expected
+    for rid, events in answers.items():
+        assert events[-1].finish_reason == "error" and events[-1].error, (rid, events)
+    assert "max_tokens" in answers["neg"][-1].error
+    assert dup_events[-1].finish_reason == "error" and "in use by a live request" in dup_events[-1].error
+    assert after[-1].finish_reason == "length"
+    missing = [(topic, value) for topic, value in junk if (topic, value) not in letters]
+    assert not missing, missing

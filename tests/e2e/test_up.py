@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -102,3 +103,62 @@ def test_a_killed_service_is_restarted_and_the_stack_serves_on(tmp_path):
     assert "restarting the executor in 1s (restart 1)" in up.log_path.read_text()
     assert "restart 1 of the executor" in (up.home / "logs" / "executor.log").read_text()
     assert not running(fresh["pids"]["executor"])
+
+
+def test_a_second_stack_on_the_same_broker_is_refused_and_a_rebalance_heals(tmp_path):
+    """A second `parkade up` pointed at the first one's broker: each of its services refuses to
+    start (another instance serves the topics), it stops, and the first serves on. Then a member
+    that joins and leaves the scheduler's group (a forced rebalance) leaves it serving."""
+    import asyncio
+
+    from aiokafka import AIOKafkaConsumer
+
+    first = Up(tmp_path / "first")
+    try:
+        state = first.wait_ready()
+        second = Up(tmp_path / "second", broker=state["bootstrap_servers"])
+        code = second.proc.wait(START_TIMEOUT_S)
+        assert code != 0, second.output()
+        refusals = [
+            (second.home / "logs" / f"{name}.log").read_text()
+            for name in ("tokenizer", "scheduler", "executor")
+            if (second.home / "logs" / f"{name}.log").exists()
+        ]
+        assert refusals and all("refusing to start: another" in log for log in refusals), second.output()
+        assert first.generate("Once upon a time", "--max-tokens", "8").returncode == 0, first.output()
+
+        async def join_and_leave():
+            group, broker = "parkade-scheduler", state["bootstrap_servers"]
+            intruder = AIOKafkaConsumer("parkade.tokenized", bootstrap_servers=broker, group_id=group)
+            await intruder.start()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not intruder.assignment():  # it took a partition
+                await intruder.getmany(timeout_ms=200)
+            assert intruder.assignment(), "the intruder never joined the group"
+            await intruder.stop()
+
+        asyncio.run(join_and_leave())
+        started = time.monotonic()
+        result = first.generate("Once upon a time", "--max-tokens", "8")
+        assert result.returncode == 0, f"{result.stderr}\n{first.output()}"
+        assert time.monotonic() - started < 30
+
+        # The broker dies mid-stream: the client says so in one line, exit status 1, within
+        # seconds; `parkade up` stops (the topics lived in the broker's memory).
+        client = subprocess.Popen(
+            [sys.executable, "-m", "parkade.cli", "generate", "Once upon a time", "--max-tokens", "480"],
+            env=first.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert client.stdout.read(len("Once upon a time") + 3)  # the prompt, then generated text
+        os.kill(state["pids"]["broker"], signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = client.communicate(timeout=60)
+        assert client.returncode == 1 and time.monotonic() - killed < 15, err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("parkade generate:"), err
+        assert first.proc.wait(STOP_TIMEOUT_S) != 0
+    finally:
+        first.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import pytest
 
 from parkade.schemas import AbortRequest, topics
 from parkade.services.bus import MemoryBus
@@ -122,5 +123,27 @@ def test_a_record_the_broker_refuses_is_answered_for_and_the_loop_goes_on():
         assert letter.value == b"" and letter.key == b"default"
         assert letter.header("parkade-topic") == topics.TOKENS.encode()
         assert b"300 bytes, over 200" in letter.header("parkade-error")
+
+    asyncio.run(main())
+
+
+def test_a_second_instance_of_a_service_is_refused_and_a_dead_one_is_not_in_the_way():
+    from parkade.services.bus.instances import DuplicateInstanceError, single_instance
+
+    fast = dict(heartbeat_s=0.02, claim_wait_s=0.15)
+
+    async def main():
+        bus = MemoryBus()
+        async with single_instance(bus, "scheduler", "t.", "first", **fast):
+            with pytest.raises(DuplicateInstanceError, match=r"another scheduler is serving the topics t\."):
+                async with single_instance(bus, "scheduler", "t.", "second", **fast):
+                    pass
+            async with single_instance(bus, "executor", "t.", "other", **fast):  # another service
+                pass
+            async with single_instance(bus, "scheduler", "u.", "elsewhere", **fast):  # other topics
+                pass
+        # The first one has stopped (or died): its heartbeats stopped with it.
+        async with single_instance(bus, "scheduler", "t.", "restarted", **fast):
+            pass
 
     asyncio.run(main())

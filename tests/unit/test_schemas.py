@@ -128,4 +128,5 @@ def test_each_topic_decodes_its_own_union_and_refuses_others():
         topics.GENERATED,
         topics.TOKENS,
         topics.DEAD_LETTER,
+        topics.INSTANCES,
     }

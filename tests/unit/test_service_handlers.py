@@ -160,7 +160,7 @@ def announce(executor_id="e1", num_blocks=64):
 def engine_request(request_id, n=6, max_tokens=4):
     return EngineRequest(
         request_id=request_id,
-        prompt_token_ids=tuple(range(3, 3 + n)),
+        prompt_token_ids=tuple(3 + i % 40 for i in range(n)),  # in the fake model's vocabulary
         sampling_params=SamplingParams(max_tokens=max_tokens),
     )
 
@@ -587,9 +587,44 @@ def test_a_step_that_raises_is_answered_and_the_executor_starts_a_new_epoch():
     assert failed.message.error == "RuntimeError: CUDA out of memory (injected)"
     assert failed.message.epoch == 0 and handler.epoch == 1 and fake.num_resets == 2  # first plan, failure
     assert handler.on_plan(msgspec.structs.replace(plan, step_id=3)) == []  # planned before: void
-    assert handler.on_plan(msgspec.structs.replace(plan, step_id=2, epoch=1)) == []  # step 2 ran already
     (ok,) = handler.on_plan(msgspec.structs.replace(plan, step_id=4, epoch=1))
     assert ok.message.error is None and ok.message.epoch == 1 and fake.num_resets == 2
+    assert handler.on_plan(msgspec.structs.replace(plan, step_id=4, epoch=1)) == []  # redelivered
+    (beat,) = [handler.announcement()]
+    assert (beat.message.scheduler_id, beat.message.epoch) == ("s", 1)
+
+
+def test_plans_the_scheduler_did_not_send_cannot_stall_it():
+    """A forged plan that fails moves the executor to a new epoch without an answer the scheduler
+    matches: its heartbeat says so. One that moves the executor's step count past the
+    scheduler's makes its plans look like redeliveries: the step timeout voids them."""
+    now = [0.0]
+    fake = _FlakyExecutor(lambda plan: plan.step_id >= 1000)
+    executor = _executor_handler(fake)
+    scheduler = SchedulerHandler(SchedulingOptions(), step_timeout_s=10, clock=lambda: now[0])
+    _announced(scheduler, executor)
+    scheduler.on_tokenized(engine_request("a", max_tokens=6))
+    plan = scheduler.next_plans()[0].message
+    (forged,) = executor.on_plan(msgspec.structs.replace(plan, step_id=1000, new_requests=()))
+    assert scheduler.on_step_results(forged.message) == []  # not a step it sent: no match
+    scheduler.on_step_results(executor.announcement().message)
+    assert scheduler.epoch == executor.epoch == 1 and not scheduler.in_flight
+    fake.fails = lambda plan: False
+    empty = StepPlan(step_id=5000, executor_id=executor.executor_id, scheduler_id=plan.scheduler_id, epoch=1)
+    (ran,) = executor.on_plan(empty)
+    assert ran.message.error is None
+    plans = [o.message for o in scheduler.next_plans()]
+    assert plans and all(executor.on_plan(p) == [] for p in plans)  # "redelivered": no answers
+    now[0] = 11.0
+    plans = [o.message for o in scheduler.next_plans()]  # the step timeout: a new epoch
+    assert scheduler.epoch == 2 and {p.epoch for p in plans} == {2}
+    events = {}
+    for p in plans:  # the executor takes them
+        for event in events_of(scheduler.on_step_results(executor.on_plan(p)[0].message)):
+            events.setdefault(event.request_id, []).append(event)
+    more, _ = run_both(scheduler, executor)
+    events = [*events.get("a", []), *more["a"]]
+    assert [e.index for e in events] == list(range(6)) and events[-1].finish_reason == FinishReason.LENGTH
 
 
 def test_a_failed_step_recomputes_every_request_and_loses_no_token():
