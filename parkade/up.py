@@ -14,7 +14,7 @@ child's output goes to $PARKADE_HOME/logs/<name>.log (this run's; a restart appe
 lines are shown if it fails.
 
 Supervision: a service that exits while serving is restarted, after a backoff that doubles with
-each quick failure (1 s up to 30 s; back to 1 s after a minute of running), and its log gets a
+each quick failure (1 s up to 30 s; back to 1 s once it has served for 10 s), and its log gets a
 line with the restart count; its work waits in the topics meanwhile. The broker exiting stops
 everything: the topics lived in its memory; so does a service that refuses to start because
 another instance serves the same topics (a second `parkade up` on this broker: it stops, the
@@ -54,7 +54,9 @@ from parkade.services.tokenizer import main as tokenizer_main
 STOP_TIMEOUT_S = 20.0
 _TAIL_LINES = 20
 RESTART_BACKOFF_S = (1.0, 30.0)  # the first wait, the longest
-RESTART_RESET_S = 60.0  # a service that ran this long starts again from the first wait
+# A service that served (printed READY) and ran this long was not crash-looping: its next restart
+# starts again from the first wait.
+RESTART_RESET_S = 10.0
 
 # Each service's own flags (its `main.FLAGS`, made from its options class): `parkade up` takes
 # them all and hands each service its own (`service_argv`), so a new option reaches its service
@@ -270,7 +272,7 @@ async def _supervise(children: list[Child], log_dir: Path, state: dict) -> bool:
                 return False  # the topics lived in its memory: nothing can go on
             if task.result() == EXIT_DUPLICATE:
                 return False  # another instance serves these topics: restarting cannot help
-            if loop.time() - started[child.name] >= RESTART_RESET_S:
+            if child.ready.is_set() and loop.time() - started[child.name] >= RESTART_RESET_S:
                 backoff[child.name] = RESTART_BACKOFF_S[0]
             wait_s = backoff[child.name]
             backoff[child.name] = min(2 * wait_s, RESTART_BACKOFF_S[1])

@@ -104,7 +104,9 @@ class Bus(Protocol):
         from_end: bool = False,
         start: dict[str, int] | None = None,
     ) -> Consumer:
-        """A started consumer. `group_id` None: no group, no commits (a client's private view);
+        """A started consumer of every partition of `topics`, from `group_id`'s committed offsets
+        (the earliest where none); it never joins the group (one instance per service). `group_id`
+        None: no commits (a client's private view);
         `from_end`: skip what is already in the topics; `start`: (no group) from these offsets."""
         ...
 

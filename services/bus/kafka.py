@@ -20,6 +20,7 @@ from aiokafka.errors import (
     CorruptRecordException,
     IllegalStateError,
     KafkaConnectionError,
+    KafkaError,
     MessageSizeTooLargeError,
     RecordListTooLargeError,
     RecordTooLargeError,
@@ -79,7 +80,9 @@ class KafkaConsumer:
         if self._group_id is not None and offsets:
             try:
                 await self._consumer.commit({TopicPartition(t, 0): o for t, o in offsets.items()})
-            except (CommitFailedError, IllegalStateError) as error:
+            except (CommitFailedError, IllegalStateError, KafkaError) as error:
+                # e.g. a member that joined the group by hand: the group refuses commits from
+                # outside it until that member leaves.
                 raise CommitError(str(error)) from error
 
     async def stop(self) -> None:
@@ -134,23 +137,30 @@ class KafkaBus:
             **_CONSUMER_SETTINGS,
         )
         await consumer.start()
-        if group_id is None:
-            # No group: read every partition directly, from the end if asked.
-            partitions = [
-                TopicPartition(topic, p)
-                for topic in topics
-                for p in (consumer.partitions_for_topic(topic) or {0})
-            ]
-            consumer.assign(partitions)
-            if from_end:
-                await consumer.seek_to_end(*partitions)
-            for tp in partitions:
-                if start and tp.topic in start:
-                    consumer.seek(tp, start[tp.topic])
-            for tp in partitions:
-                await consumer.position(tp)  # resolve now, so nothing sent after this is missed
-        else:
-            consumer.subscribe(topics)
+        # Every partition assigned directly, never by joining the group: one instance per service
+        # (see instances.py) owns all of them, and a group's membership only costs time. A
+        # member killed with SIGKILL stays in the group until it times out, and its successor
+        # waited that long (18 s on Tansu) for its partitions; the first join alone took 5 s.
+        # The group id still names where the offsets are committed and read back from.
+        partitions = [
+            TopicPartition(topic, p)
+            for topic in topics
+            for p in (consumer.partitions_for_topic(topic) or {0})
+        ]
+        consumer.assign(partitions)
+        if from_end:
+            await consumer.seek_to_end(*partitions)
+        for tp in partitions:
+            if start and tp.topic in start:
+                consumer.seek(tp, start[tp.topic])
+            elif group_id is not None:
+                committed = await consumer.committed(tp)
+                if committed is None:
+                    await consumer.seek_to_beginning(tp)
+                else:
+                    consumer.seek(tp, committed)
+        for tp in partitions:
+            await consumer.position(tp)  # resolve now, so nothing sent after this is missed
         return KafkaConsumer(consumer, group_id)
 
     async def send_many(self, records: list[OutgoingRecord]) -> None:

@@ -141,6 +141,7 @@ class SchedulerHandler:
         """Rebuild from the generated topic's records from offset `start` up to this scheduler's
         announcement: which requests finished, and what each live one generated so far."""
         self.replay_start = self.generated_end = start
+        cut: set[str] = set()  # requests whose first events are below `start`
         for message in messages:
             events = (
                 message.events
@@ -151,15 +152,20 @@ class SchedulerHandler:
                 if event.finish_reason is not None:
                     self.finished.add(event.request_id)
                     self.resume.pop(event.request_id, None)
+                    cut.discard(event.request_id)
                     continue
                 outputs = self.resume.setdefault(event.request_id, [])
                 if event.index > len(outputs):
-                    # Cannot be, while the progress stays below every live request's events.
-                    log.error("request %s: events from index %d are missing", event.request_id, len(outputs))
+                    # A request that was not live at the last progress (it ends further on), or
+                    # one whose history is lost (which the progress rule excludes).
+                    cut.add(event.request_id)
                     continue
                 # Events of one request are in index order; one read twice overlaps.
                 outputs.extend(event.token_ids[len(outputs) - event.index :])
-        log.info("recovered %d live requests from the log", len(self.resume))
+        for request_id in cut & self.resume.keys():
+            log.error("request %s: its first events are below offset %d; it starts again", request_id, start)
+            self.resume[request_id] = []
+        log.warning("recovered %d live requests (generated topic from offset %d)", len(self.resume), start)
 
     def on_sent(self, out: Outgoing, offset: int) -> None:
         """The broker acknowledged a record at `offset` (see the module: a restart's bounds)."""
@@ -171,8 +177,10 @@ class SchedulerHandler:
         return {topics.TOKENIZED: min(self.sources.values())} if self.sources else {}
 
     def progress(self) -> dict[str, int]:
-        """Where a restart reads the generated topic from: below every live request's events."""
-        return {topics.GENERATED: min(self.generated_start.values(), default=self.generated_end)}
+        """Where a restart reads the generated topic from: below every live request's events,
+        those recovered but not read again yet included."""
+        starts = [*self.generated_start.values(), *([self.replay_start] if self.resume else [])]
+        return {topics.GENERATED: min(starts, default=self.generated_end)}
 
     def on_step_results(self, message: StepResult | ExecutorAnnouncement) -> list[Outgoing]:
         if message.executor_id == self.executor_id:

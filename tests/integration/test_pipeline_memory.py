@@ -38,3 +38,43 @@ def test_pipeline_streams_the_same_text_as_the_in_process_engine():
             assert events[-1].finish_reason == "length" and events[-1].usage.completion_tokens == 30
 
     asyncio.run(main())
+
+
+def test_overload_refuses_the_excess_at_once_and_leaves_no_state_behind():
+    """Far more requests than the waiting bound: the excess is answered at once ("overloaded"),
+    the rest complete, and every per-request table of the three services is empty afterwards
+    (what remains is bounded: the recently finished ids)."""
+    from parkade.services.common.recent import REMEMBER_FINISHED
+    from parkade.services.scheduler.config import SchedulingOptions
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    options = SchedulingOptions(max_num_seqs=2, max_waiting_requests=6)
+
+    async def main():
+        bus = MemoryBus()
+        async with (
+            running_pipeline(bus, STORIES, prefix="t.", max_model_len=256, options=options) as pipeline,
+            Client(bus=bus, topic_prefix="t.") as client,
+        ):
+
+            async def one(i):
+                prompt = f"Once upon a time {i}"
+                return [e async for e in client.generate(prompt=prompt, sampling_params=params)]
+
+            results = await asyncio.gather(*(one(i) for i in range(60)))
+            return pipeline, results
+
+    pipeline, results = asyncio.run(main())
+    done = [r for r in results if r[-1].finish_reason == "length"]
+    refused = [r for r in results if r[-1].finish_reason == "error"]
+    assert len(done) + len(refused) == 60 and len(done) >= options.max_waiting_requests and refused
+    for events in refused:
+        assert len(events) == 1 and events[0].error.startswith("overloaded: ")
+    assert all(sum(len(e.token_ids) for e in r) == 8 for r in done)
+    tokenizer, scheduler = pipeline.tokenizer, pipeline.scheduler
+    assert not tokenizer.streams and not tokenizer.orphans
+    tables = ("headers", "sources", "generated_start", "step_failures", "waiting_since", "pending", "resume")
+    for table in tables:
+        assert not getattr(scheduler, table), table
+    assert not scheduler.scheduler.requests and len(scheduler.finished) <= REMEMBER_FINISHED
+    assert scheduler.scheduler.kv.num_free_blocks == scheduler.scheduler.kv.num_blocks

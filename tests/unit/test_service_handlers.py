@@ -23,6 +23,7 @@ from parkade.schemas import (
     StepResult,
     topics,
 )
+from parkade.services.bus.base import Outgoing
 from parkade.services.scheduler.config import SchedulingOptions
 from parkade.services.scheduler.handler import SchedulerHandler
 from parkade.services.tokenizer.frontend import FrontEnd, TokenizerOptions
@@ -431,6 +432,18 @@ def test_a_restarted_scheduler_keeps_the_open_streams_unless_it_lost_them(storie
     )
 
 
+def test_recover_tells_a_request_that_ended_in_the_window_from_one_whose_history_is_cut():
+    handler = SchedulerHandler(SchedulingOptions())
+    ended_late = [  # live before the progress, ended after it: its first events are below
+        GeneratedTokens(request_id="x", index=5, token_ids=(1, 2)),
+        GeneratedTokens(request_id="x", index=7, token_ids=(), finish_reason=FinishReason.LENGTH),
+    ]
+    cut = [GeneratedTokens(request_id="y", index=3, token_ids=(4,))]  # cannot be; starts again
+    live = [GeneratedTokens(request_id="z", index=0, token_ids=(8, 9))]
+    handler.recover(100, [GeneratedBatch(events=(*ended_late, *cut, *live))])
+    assert "x" in handler.finished and handler.resume == {"y": [], "z": [8, 9]}
+
+
 def test_a_restarted_scheduler_resumes_each_request_at_its_next_index():
     """What the first scheduler generated is read back from the log: the second one recomputes
     prompt + outputs and goes on from the next index; finished requests are not run again."""
@@ -464,7 +477,9 @@ def test_a_restarted_scheduler_resumes_each_request_at_its_next_index():
     second.recover(0, log_)
     assert set(second.resume) == {"a", "b"} and "c" in second.finished
     assert second.resume["a"] == generated["a"]
+    second.on_sent(Outgoing(topics.GENERATED, GeneratedBatch(events=())), 50)  # others' events
     second.on_announcement(announce("e1"))
+    assert second.progress() == {topics.GENERATED: 0}  # "a" and "b" are not read again yet
     for request_id in ("a", "b", "c"):  # read again: its commit stayed at "a"
         second.on_tokenized(engine_request(request_id, max_tokens=8), (), offset=ord(request_id))
     plans = []
@@ -476,7 +491,7 @@ def test_a_restarted_scheduler_resumes_each_request_at_its_next_index():
         assert resumed[request_id].token_ids[-done:] == tuple(generated[request_id])
         assert resumed[request_id].num_prompt_tokens == len(resumed[request_id].token_ids) - done
         assert [e.index for e in out[request_id]] == list(range(done, 8))
-    assert second.low_watermarks() == {} and second.progress() == {topics.GENERATED: 0}
+    assert second.low_watermarks() == {} and second.progress() == {topics.GENERATED: 51}
 
 
 def test_the_service_path_stamps_each_request_with_its_arrival(stories_frontend):
