@@ -37,8 +37,10 @@ log = logging.getLogger(__name__)
 
 # Seconds without a record after which the client asks the broker whether it is still there.
 PROBE_S = 2.0
-# Seconds without an event of an open request after which its stream ends: longer than the
-# scheduler takes to declare an executor lost (15 s) and to give up waiting for one (60 s).
+# Seconds without an event of an open request after which its stream ends (and the request is
+# cancelled): longer than the scheduler takes to declare an executor lost (15 s), to give up
+# waiting for one (60 s) and to void a step without an answer (60 s). A request that waits longer
+# than this in a deep queue ends the same way: pass a larger `idle_timeout_s` for such loads.
 DEFAULT_IDLE_TIMEOUT_S = 90.0
 
 
@@ -173,6 +175,8 @@ class Client:
         """Send a generate request; its events are kept for `stream(request_id)`. A request id
         this client is streaming already is refused (ValueError)."""
         assert self._reader is not None, "start the client first (async with Client(...))"
+        if self._reader.done():  # it lost the broker: nothing sent now could be read back
+            raise PipelineGoneError(f"lost the broker at {self.bootstrap_servers}; start a new client")
         if request_id is not None and request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is being streamed by this client already")
         request = GenerateRequest(
@@ -205,26 +209,22 @@ class Client:
         queue = self._streams[request_id].queue
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
-        finished = gone = False
+        finished = False
         next_index = 0
         try:
             while not finished:
                 event = await self._next_event(queue, request_id, deadline)
                 if isinstance(event, BaseException):
-                    gone = isinstance(event, PipelineGoneError)
                     raise event
                 if event.token_ids and event.index < next_index:
                     continue  # a duplicate (at-least-once delivery)
                 next_index = event.index + len(event.token_ids)
                 finished = event.finish_reason is not None
                 yield event
-        except PipelineGoneError:
-            gone = True
-            raise
         finally:
             self._streams.pop(request_id, None)
-            if not finished and not gone:  # nothing to abort where nothing answers
-                await self.cancel(request_id)
+            if not finished:  # also after PipelineGoneError: a pipeline that is only slow stops it
+                await self.cancel(request_id)  # (bounded: no wait where nothing answers)
 
     async def _next_event(
         self, queue: asyncio.Queue[TokenEvent | BaseException], request_id: str, deadline: float | None

@@ -14,7 +14,7 @@ from parkade.schemas.engine import (
 )
 from parkade.schemas.events import TokenEvent, Usage
 from parkade.schemas.instances import InstanceHeartbeat
-from parkade.schemas.requests import AbortRequest, ChatMessage, GenerateRequest
+from parkade.schemas.requests import AbortRequest, ChatMessage, GenerateRequest, TokenizerAnnouncement
 from parkade.schemas.sampling import MAX_LOGPROBS, SamplingParams
 from parkade.schemas.steps import (
     CachedRequestData,
@@ -46,5 +46,6 @@ __all__ = [
     "StepResult",
     "TokenEvent",
     "TokenLogprobs",
+    "TokenizerAnnouncement",
     "Usage",
 ]

@@ -42,3 +42,10 @@ class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):
     """Stop a request; aborting an unknown or finished request is a no-op (idempotent)."""
 
     request_id: str
+
+
+class TokenizerAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="tokenizer_announcement"):
+    """Sent by a tokenizer when it starts, on the requests topic it reads: once it reads its own,
+    it has read again every request from before its start (see the tokenizer's handler)."""
+
+    tokenizer_id: str

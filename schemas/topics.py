@@ -19,12 +19,12 @@ from parkade.schemas.engine import (
 )
 from parkade.schemas.events import TokenEvent
 from parkade.schemas.instances import InstanceHeartbeat
-from parkade.schemas.requests import AbortRequest, GenerateRequest
+from parkade.schemas.requests import AbortRequest, GenerateRequest, TokenizerAnnouncement
 from parkade.schemas.steps import ExecutorAnnouncement, StepPlan, StepResult
 
 # Sent in every record's `parkade-schema` header. 2: the generated topic carries GeneratedBatch;
-# 3: step plans and results carry an epoch, and a result an error; 4: the instances topic, and a
-# scheduler's announcement says whether it resumes.
+# 3: step plans and results carry an epoch, and a result an error; 4: the instances topic, a
+# scheduler's announcement says whether it resumes, a tokenizer announces itself on requests.
 SCHEMA_VERSION = 4
 DEFAULT_PREFIX = "parkade."
 
@@ -39,7 +39,7 @@ INSTANCES = "instances"  # every service, every second: it is there (one instanc
 
 # The union each topic carries.
 TOPIC_TYPES: dict[str, Any] = {
-    REQUESTS: GenerateRequest | AbortRequest,
+    REQUESTS: GenerateRequest | AbortRequest | TokenizerAnnouncement,
     TOKENIZED: EngineRequest | FinishRequest,
     STEP_PLANS: StepPlan,
     STEP_RESULTS: StepResult | ExecutorAnnouncement,

@@ -50,7 +50,8 @@ Outcome = int | RecordRejected
 
 
 class CommitError(RuntimeError):
-    """The offsets could not be committed (e.g. a rebalance took the partitions away)."""
+    """The offsets could not be committed (e.g. a member that joined the group by hand makes the
+    broker refuse commits from outside the group until it leaves)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,11 @@
 """`KafkaBus`: the bus on a real Kafka-protocol broker, through aiokafka.
 
-NOTE: no idempotent or transactional producer (Tansu in memory mode has neither), so delivery is
-at-least-once: offsets are committed only after the handler's output was acknowledged.
-NOTE: one instance per service: the tokenizer and the scheduler keep in-memory state that spans
-two topics, which a consumer group could split between two members.
+NOTE: delivery is at-least-once: offsets are committed only after the handler's output was
+acknowledged. Producers use acks=all; idempotence is optional (`idempotence`: Apache Kafka has
+it, Tansu's memory mode does not), and nothing is transactional.
+NOTE: one instance per service (see instances.py): the tokenizer and the scheduler keep
+in-memory state that spans two topics, so each consumer takes every partition itself and uses
+its group only to keep offsets.
 """
 
 from __future__ import annotations

@@ -287,7 +287,7 @@ async def _commit(consumer: Consumer, offsets: dict[str, int]) -> bool:
     try:
         await consumer.commit(offsets)
     except CommitError as error:
-        # A rebalance took the partitions: the next owner reads the records again, which the
+        # Tried again at the next commit; a restart meanwhile reads the records again, which the
         # idempotent handlers absorb.
         log.warning("commit failed (%s); the records will be delivered again", error)
         return False

@@ -74,8 +74,8 @@ DEFAULT_EXECUTOR_TIMEOUT_S = 15.0
 DEFAULT_EXECUTOR_WAIT_S = 60.0
 # A step in flight this long without an answer, from an executor that still heartbeats, was lost
 # (a plan or result the broker lost, a plan the executor took for a redelivery): every request
-# is recomputed under a new epoch. Far above any step's time.
-DEFAULT_STEP_TIMEOUT_S = 120.0
+# is recomputed under a new epoch. Far above any step's time, and below a client's idle timeout.
+DEFAULT_STEP_TIMEOUT_S = 60.0
 # A request in this many failed steps in a row ends with the error rather than run again. After
 # the first, it runs alone: a request the model cannot run fails alone twice more, while one that
 # only shared a step with it (or met a passing fault) succeeds there and starts counting again.
@@ -245,7 +245,7 @@ class SchedulerHandler:
             if self.pending.pop(request_id, None) is not None:  # never reached the scheduler
                 event = GeneratedTokens(
                     request_id=request_id,
-                    index=0,
+                    index=len(self.resume.get(request_id, ())),  # after what it generated before
                     token_ids=(),
                     finish_reason=message.reason,
                     stop_reason=message.stop_reason,
@@ -265,33 +265,40 @@ class SchedulerHandler:
         start = self.replay_start if request_id in self.resume else self.generated_end
         self.generated_start.setdefault(request_id, start)
         if self.executor_id is None:
-            if len(self.pending) >= self.options.max_waiting_requests:
+            if request_id in self.pending:
+                return []  # a redelivered request
+            # A request recovered from the log was admitted before the restart: never refused.
+            if len(self.pending) >= self.options.max_waiting_requests and request_id not in self.resume:
                 error = f"overloaded: {len(self.pending)} requests wait for an executor"
                 return [self._refused(request_id, error)]
-            if request_id not in self.pending:
-                self.pending[request_id] = message
-                self.waiting_since.setdefault(request_id, self.clock())
+            self.pending[request_id] = message
+            self.waiting_since.setdefault(request_id, self.clock())
             return []
         return self._add(message)
 
     def _add(self, request: EngineRequest) -> list[Outgoing]:
         if self.scheduler is None:
             return [self._refused(request.request_id, self.config_error or "no scheduler")]
-        if request.request_id in self.scheduler.requests:
+        if request.request_id in self.scheduler.requests or request.request_id in self.finished:
             return []  # a redelivered request
         if max(request.prompt_token_ids) >= self.vocab_size:
             # The front end checks this; a record from elsewhere would fail the executor's step.
             error = f"prompt_token_ids must be < {self.vocab_size} (the model's vocab_size)"
             return [self._refused(request.request_id, error)]
         try:
-            self.scheduler.add(request, self.resume.pop(request.request_id, ()))
+            self.scheduler.add(request, self.resume.get(request.request_id, ()))
         except ValueError as error:
             return [self._refused(request.request_id, str(error))]
+        self.resume.pop(request.request_id, None)
         return []
 
     def _refused(self, request_id: str, error: str) -> Outgoing:
         event = GeneratedTokens(
-            request_id=request_id, index=0, token_ids=(), finish_reason=FinishReason.ERROR, error=error
+            request_id=request_id,
+            index=len(self.resume.get(request_id, ())),  # after what it generated before a restart
+            token_ids=(),
+            finish_reason=FinishReason.ERROR,
+            error=error,
         )
         return self._generated(event)
 
@@ -439,4 +446,5 @@ class SchedulerHandler:
             self.waiting_since.pop(event.request_id, None)
             self.sources.pop(event.request_id, None)
             self.generated_start.pop(event.request_id, None)
+            self.resume.pop(event.request_id, None)
             self.finished.add(event.request_id)

@@ -79,7 +79,8 @@ class Scheduler:
             raise ValueError(f"request_id {engine_request.request_id!r} is already in use")
         self.validate(engine_request)
         num_waiting = len(self.waiting)
-        if num_waiting and (
+        # A request resumed with its outputs (a restarted scheduler's) was admitted before.
+        if num_waiting and not output_token_ids and (
             num_waiting >= self.config.max_waiting_requests
             or self.waiting.num_tokens + len(engine_request.prompt_token_ids) > self.config.max_waiting_tokens
         ):

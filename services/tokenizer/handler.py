@@ -19,12 +19,17 @@ below its first event, so a restarted tokenizer reads every open stream's reques
 again, rebuilds the stream (detokenizer offsets, stop-string hold-back, usage) and sends its
 events again: the client drops the indices it has (at-least-once), and gets the final event
 even if the crash came before it went out. Events read before their request (the two topics are
-read side by side) wait as orphans for it, at most `orphan_wait_s`.
+read side by side) wait for it as orphans. A tokenizer announces itself on the requests topic at
+start: once it reads its own announcement, every request from before its start has been read
+again, and an orphan still without its request `orphan_wait_s` later (the generated topic may be
+read further behind) belongs to a request that ended before the restart (it is forgotten), or
+whose stream cannot be rebuilt (error event, and the scheduler stops it).
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +43,7 @@ from parkade.schemas import (
     GenerateRequest,
     SchedulerAnnouncement,
     TokenEvent,
+    TokenizerAnnouncement,
     topics,
 )
 from parkade.services.bus.base import Headers, Outgoing
@@ -50,11 +56,8 @@ from parkade.services.tokenizer.frontend import FrontEnd, RequestStream, StreamU
 Source = tuple[str, int, int]
 
 
-# How long events wait for their request after a restart (both are re-read at full speed).
+# How long events wait for their request once the requests from before the start are read.
 ORPHAN_WAIT_S = 30.0
-# In `finished`: a request that ended before a restart, known only from its events; its
-# request record, read again, is a redelivery.
-ENDED_BEFORE_RESTART = "ended before a restart"
 
 
 @dataclass
@@ -71,7 +74,7 @@ class _Open:
 class _Orphan:
     """Events of a request not (yet) read again after a restart."""
 
-    deadline: float
+    since: float  # when its first event was read
     generated_start: int | None
     events: list[GeneratedTokens] = field(default_factory=list)
 
@@ -111,13 +114,28 @@ class TokenizerHandler:
         self.orphan_wait_s = orphan_wait_s
         self.clock = clock
         self.generated_position: int | None = None  # the offset after the last generated record
+        self.tokenizer_id = uuid.uuid4().hex
+        # When this tokenizer read its own announcement (None: not yet; without one, from 0).
+        self.caught_up_at: float | None = 0.0
+
+    def announcement(self) -> Outgoing:
+        """Sent once at start, on the requests topic (see the module)."""
+        self.caught_up_at = None
+        return Outgoing(topics.REQUESTS, TokenizerAnnouncement(tokenizer_id=self.tokenizer_id))
 
     def on_request(
-        self, message: GenerateRequest | AbortRequest, headers: Headers = (), source: Source | None = None
+        self,
+        message: GenerateRequest | AbortRequest | TokenizerAnnouncement,
+        headers: Headers = (),
+        source: Source | None = None,
     ) -> list[Outgoing]:
         """`source`: where the record came from, to tell a redelivery (the same record: nothing to
         do) from a second request with an id in use (answered with an error event; the error
         event carries the second request's headers, by which its client tells it apart)."""
+        if isinstance(message, TokenizerAnnouncement):
+            if message.tokenizer_id == self.tokenizer_id and self.caught_up_at is None:
+                self.caught_up_at = self.clock()
+            return []  # another's: an earlier tokenizer's, read again
         request_id = message.request_id
         if isinstance(message, AbortRequest):
             if request_id not in self.streams:
@@ -131,7 +149,7 @@ class TokenizerHandler:
             error = f"request id {request_id!r} is in use by a live request"
             return [error_event(request_id, error, headers)]
         if request_id in self.finished:
-            if source is None or self.finished.get(request_id) in (source, ENDED_BEFORE_RESTART):
+            if source is None or self.finished.get(request_id) == source:
                 return []  # a redelivered request
             error = f"request id {request_id!r} was used by a request that ended recently; use a fresh id"
             return [error_event(request_id, error, headers)]
@@ -178,17 +196,16 @@ class TokenizerHandler:
         """After every poll: orphans whose request did not come within `orphan_wait_s`. One that
         ended is forgotten; one still running cannot be rebuilt, so its client gets an error
         event and the scheduler stops it."""
-        if not self.orphans:
-            return []
+        if not self.orphans or self.caught_up_at is None:
+            return []  # their requests may still be read again
         now, out = self.clock(), []
         for request_id, orphan in list(self.orphans.items()):
-            if now < orphan.deadline:
+            if now < max(orphan.since, self.caught_up_at) + self.orphan_wait_s:
                 continue
             del self.orphans[request_id]
+            self.finished.add(request_id)  # a request with this id from now on is a new one
             if any(e.finish_reason is not None for e in orphan.events):
-                self.finished.add(request_id, ENDED_BEFORE_RESTART)
                 continue
-            self.finished.add(request_id)
             reason = "the tokenizer lost this request's state (restarted)"
             finish = FinishRequest(request_id=request_id, reason=FinishReason.ABORT)
             index = orphan.events[0].index if orphan.events else 0
@@ -263,7 +280,7 @@ class TokenizerHandler:
             orphan = self.orphans.get(request_id)
             if orphan is None:
                 start = None if self.generated_position is None else self.generated_position - 1
-                orphan = self.orphans[request_id] = _Orphan(self.clock() + self.orphan_wait_s, start)
+                orphan = self.orphans[request_id] = _Orphan(self.clock(), start)
             orphan.events.append(message)
             return []
         update = open_.stream.update(message)

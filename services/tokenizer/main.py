@@ -10,7 +10,7 @@ import msgspec
 from parkade.schemas import topics
 from parkade.services.bus.base import Bus, Outgoing, Record
 from parkade.services.bus.runtime import run_service, service_parser
-from parkade.services.bus.serve import dead_letter, serve
+from parkade.services.bus.serve import dead_letter, send_all, serve
 from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
 from parkade.services.tokenizer.frontend import FrontEnd, TokenizerOptions
 from parkade.services.tokenizer.handler import TokenizerHandler, error_event
@@ -40,6 +40,7 @@ async def run(
     stop: asyncio.Event,
     ready: Callable[[], None] | None = None,
 ) -> None:
+    await send_all(bus, [handler.announcement()], prefix)  # read back: see TokenizerHandler
     await serve(
         bus,
         prefix=prefix,

@@ -324,8 +324,29 @@ def test_tokens_of_a_request_the_tokenizer_never_saw_wait_for_it_then_end_its_st
     assert finish.message == FinishRequest(request_id="lost", reason=FinishReason.ABORT)
     assert handler.on_generated(GeneratedTokens(request_id="lost", index=4, token_ids=(6,))) == []
     assert not handler.orphans and handler.low_watermarks() == {}
-    # The request of one that ended, read again late, is a redelivery.
-    assert handler.on_request(GenerateRequest(request_id="ended", prompt="Once"), (), ("t", 0, 1)) == []
+    # Every request from before the start was read again: one with that id now is a new one.
+    (reused,) = handler.on_request(GenerateRequest(request_id="ended", prompt="Once"), (), ("t", 0, 1))
+    assert "ended recently" in reused.message.error
+
+
+def test_orphans_wait_until_the_tokenizer_has_read_its_own_announcement(stories_frontend):
+    """However long the requests from before a restart take to read again, their events wait."""
+    from parkade.schemas import TokenizerAnnouncement
+
+    now = [0.0]
+    handler = TokenizerHandler(stories_frontend, orphan_wait_s=30, clock=lambda: now[0])
+    marker = handler.announcement()
+    assert marker.topic == topics.REQUESTS and marker.message.tokenizer_id == handler.tokenizer_id
+    handler.on_generated(GeneratedTokens(request_id="r", index=0, token_ids=(5,)), 3)
+    now[0] = 500.0  # a long catch-up
+    assert handler.check_orphans() == [] and "r" in handler.orphans
+    assert handler.on_request(TokenizerAnnouncement(tokenizer_id="an-earlier-one")) == []
+    assert handler.check_orphans() == []
+    handler.on_request(marker.message)  # read back: every request from before is read again
+    assert handler.check_orphans() == []  # the generated topic gets its own grace
+    now[0] = 531.0
+    error, _ = handler.check_orphans()
+    assert error.message.request_id == "r" and "restarted" in error.message.error
 
 
 def _stream_text(outgoing):
