@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,11 @@ log = logging.getLogger(__name__)
 
 GROUP_ID = "parkade-executor"
 HEARTBEAT_S = 5.0
+# A step running this long is hung (a wedged device, a deadlock): the process exits, so that its
+# supervisor starts a fresh executor, which the scheduler adopts and recomputes every request on.
+# Heartbeats alone cannot tell: they come from the event loop, not from the step's thread.
+STEP_DEADLINE_S = 300.0
+EXIT_HUNG = 70
 FLAGS = dataclass_flags(ExecutorOptions)
 
 
@@ -37,15 +43,30 @@ async def run(
     stop: asyncio.Event,
     ready: Callable[[], None] | None = None,
     heartbeat_s: float = HEARTBEAT_S,
+    step_deadline_s: float = STEP_DEADLINE_S,
+    on_hung: Callable[[], None] = lambda: os._exit(EXIT_HUNG),
 ) -> None:
+    loop = asyncio.get_running_loop()
+    step_started: list[float | None] = [None]
+
     async def on_plan(message, record):
         # The forward pass runs off the event loop, so heartbeats keep going.
-        return await asyncio.to_thread(handler.on_plan, message)
+        step_started[0] = loop.time()
+        try:
+            return await asyncio.to_thread(handler.on_plan, message)
+        finally:
+            step_started[0] = None
 
     async def heartbeat() -> None:
         # NOTE: a failed send must not end the heartbeat: the scheduler would declare this
         # executor dead while it serves on.
         while True:
+            started = step_started[0]
+            if started is not None and loop.time() - started > step_deadline_s:
+                hung_s = loop.time() - started
+                log.critical("a step has run for %.0f s: hung; exiting, for a fresh executor", hung_s)
+                on_hung()
+                return
             try:
                 await send_all(bus, [handler.announcement()], prefix)
             except Exception:

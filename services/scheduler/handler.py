@@ -258,7 +258,15 @@ class SchedulerHandler:
             )
             return [self._generated(event)] if event is not None else []
         if request_id in self.finished:
-            return []  # a redelivered request that already ran
+            original = self.finished.get(request_id)  # its record's offset, where known
+            if offset is None or original is None or original == offset:
+                return []  # a redelivered request that already ran
+            # Another record with the id of a request that ended: a client reusing an id that a
+            # restarted tokenizer no longer knows. (A tokenizer's copy of a request that ended
+            # here is answered too: after its final event, so the tokenizer drops the answer.)
+            self.headers[request_id] = headers
+            error = f"request id {request_id!r} was used by a request that ended recently; use a fresh id"
+            return [self._refused(request_id, error)]
         self.headers.setdefault(request_id, headers)
         if offset is not None:
             self.sources.setdefault(request_id, offset)
@@ -444,7 +452,7 @@ class SchedulerHandler:
             self.headers.pop(event.request_id, None)
             self.step_failures.pop(event.request_id, None)
             self.waiting_since.pop(event.request_id, None)
-            self.sources.pop(event.request_id, None)
+            source = self.sources.pop(event.request_id, None)
             self.generated_start.pop(event.request_id, None)
             self.resume.pop(event.request_id, None)
-            self.finished.add(event.request_id)
+            self.finished.add(event.request_id, source)

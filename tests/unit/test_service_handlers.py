@@ -453,6 +453,19 @@ def test_a_restarted_scheduler_keeps_the_open_streams_unless_it_lost_them(storie
     )
 
 
+def test_another_record_with_the_id_of_a_request_that_ended_gets_an_error_event():
+    """A client reusing an id that a restarted tokenizer forgot: answered, never left waiting.
+    The same record read again is a redelivery."""
+    handler = SchedulerHandler(SchedulingOptions())
+    handler.on_announcement(announce())
+    handler.on_tokenized(engine_request("a", max_tokens=2), (), offset=7)
+    assert drive(handler, FakeExecutor(vocab_size=50, seed=1, block_size=4))["a"][-1].finish_reason
+    assert handler.on_tokenized(engine_request("a", max_tokens=2), (), offset=7) == []  # redelivered
+    (reused,) = handler.on_tokenized(engine_request("a", max_tokens=2), (("traceparent", b"t2"),), offset=9)
+    assert reused.message.finish_reason == "error" and "ended recently" in reused.message.error
+    assert reused.headers == (("traceparent", b"t2"),) and not handler.scheduler.requests
+
+
 def test_recover_tells_a_request_that_ended_in_the_window_from_one_whose_history_is_cut():
     handler = SchedulerHandler(SchedulingOptions())
     ended_late = [  # live before the progress, ended after it: its first events are below
@@ -770,6 +783,42 @@ def test_the_executors_heartbeat_survives_failed_sends():
 
     beats = asyncio.run(main())
     assert len(beats) >= 2  # the two failed sends did not end the heartbeat
+
+
+def test_an_executor_whose_step_hangs_gives_up_its_process():
+    """Heartbeats come from the event loop, so they go on while a step's thread hangs: the
+    heartbeat loop itself notices the step's age and ends the process (a supervisor restarts it)."""
+    import asyncio
+    import threading
+
+    from parkade.services.bus.memory import MemoryBus
+    from parkade.services.executor import main as executor_main
+
+    release = threading.Event()
+    executor = _executor_handler(_FlakyExecutor(lambda plan: release.wait(10) and False))
+    hung = []
+
+    async def main():
+        bus, stop = MemoryBus(), asyncio.Event()
+        await bus.create_topics(topics.all_topic_names("t."))
+        task = asyncio.create_task(
+            executor_main.run(
+                bus, executor, prefix="t.", stop=stop, heartbeat_s=0.02, step_deadline_s=0.2,
+                on_hung=lambda: hung.append(True),
+            )
+        )  # fmt: skip
+        plan = StepPlan(step_id=1, executor_id=executor.executor_id, scheduler_id="s")
+        await bus.send(topics.topic_name(topics.STEP_PLANS, "t."), topics.ENCODER.encode(plan))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if hung:
+                break
+        release.set()
+        stop.set()
+        await task
+
+    asyncio.run(main())
+    assert hung == [True]
 
 
 # ---- records the broker refuses (too large) ---------------------------------------------------
