@@ -1,7 +1,8 @@
 """One instance of each service on a set of topics, until scale-out exists.
 
-A second scheduler, executor or tokenizer on the same topics jams the pipeline: two members of
-one consumer group, two schedulers planning steps for one executor. So every service sends an
+A second scheduler, executor or tokenizer on the same topics jams the pipeline: two consumers
+handling every record and committing one group's offsets, two schedulers planning steps for one
+executor, two tokenizers answering every request. So every service sends an
 `InstanceHeartbeat` each `HEARTBEAT_S` on the instances topic, and one that starts first listens
 `CLAIM_WAIT_S` from its own first heartbeat: a heartbeat of another instance of the same service
 that started before it (a smaller `since`) means that one is alive, and this one refuses to
