@@ -102,7 +102,7 @@ class Client:
         self._streams: dict[str, _Stream] = {}
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
-        self._decoder = topics.decoder(topics.TOKENS)
+        self._decoder = topics.TopicDecoder(topics.TOKENS)
 
     async def start(self) -> None:
         consumer = await self.bus.consumer(
@@ -124,7 +124,7 @@ class Client:
                     last_record = loop.time()
                 for record in records:
                     try:
-                        event = self._decoder.decode(record.value)
+                        event = self._decoder.decode(record.value, record.header(topics.CONTENT_TYPE))
                     except (msgspec.DecodeError, msgspec.ValidationError):
                         continue  # not ours to judge: the services write this topic
                     stream = self._streams.get(event.request_id)

@@ -49,6 +49,14 @@ TOPIC_TYPES: dict[str, Any] = {
 }
 
 ENCODER = msgspec.msgpack.Encoder()
+JSON_ENCODER = msgspec.json.Encoder()
+
+# A record's encoding, in its `content-type` header: JSON or msgpack (no header: msgpack). Each
+# record is decoded by its own header and every record about a request carries the request's
+# headers, so a JSON request is answered in JSON on every topic it crosses.
+CONTENT_TYPE = "content-type"
+JSON = b"application/json"
+MSGPACK = b"application/msgpack"
 ALL_TOPICS = (REQUESTS, TOKENIZED, STEP_PLANS, STEP_RESULTS, GENERATED, TOKENS, DEAD_LETTER, INSTANCES)
 
 
@@ -62,5 +70,22 @@ def all_topic_names(prefix: str = DEFAULT_PREFIX) -> list[str]:
 
 
 def decoder(topic: str) -> msgspec.msgpack.Decoder:
-    """The typed decoder of one topic (its name without the prefix)."""
+    """The typed msgpack decoder of one topic (its name without the prefix)."""
     return msgspec.msgpack.Decoder(TOPIC_TYPES[topic])
+
+
+class TopicDecoder:
+    """A topic's typed decoders, msgpack and JSON; `decode` picks by the record's content type."""
+
+    def __init__(self, topic: str) -> None:
+        self.msgpack = msgspec.msgpack.Decoder(TOPIC_TYPES[topic])
+        self.json = msgspec.json.Decoder(TOPIC_TYPES[topic])
+
+    def decode(self, value: bytes, content_type: bytes | None = None) -> Any:
+        return (self.json if content_type == JSON else self.msgpack).decode(value)
+
+
+def encode(message: Any, headers: tuple[tuple[str, bytes], ...] = ()) -> bytes:
+    """A message in the encoding its headers name (see CONTENT_TYPE)."""
+    is_json = any(key == CONTENT_TYPE and value == JSON for key, value in headers)
+    return JSON_ENCODER.encode(message) if is_json else ENCODER.encode(message)

@@ -83,7 +83,7 @@ async def queue_all(bus: Bus, outgoing: list[Outgoing], prefix: str) -> Awaitabl
     `Bus.queue_many`)."""
     records = []
     for out in outgoing:
-        value = out.message if isinstance(out.message, bytes) else topics.ENCODER.encode(out.message)
+        value = out.message if isinstance(out.message, bytes) else topics.encode(out.message, out.headers)
         key = out.key.encode() if out.key is not None else None
         headers = out.headers if isinstance(out.message, bytes) else (*out.headers, SCHEMA_HEADER)
         records.append(OutgoingRecord(topics.topic_name(out.topic, prefix), value, key, headers))
@@ -132,7 +132,7 @@ async def serve(
     the service keeps for itself (`Bus.save_progress` under the group `<group_id>.progress`),
     saved after each commit; `on_sent(out, offset)` hears each record's offset once acknowledged.
     """
-    decoders = {topics.topic_name(t, prefix): (topics.decoder(t), h) for t, h in handlers.items()}
+    decoders = {topics.topic_name(t, prefix): (topics.TopicDecoder(t), h) for t, h in handlers.items()}
     consumer = await bus.consumer(list(decoders), group_id)
     if ready is not None:
         ready()
@@ -166,7 +166,7 @@ async def serve(
                 handled[record.topic] = record.offset + 1
                 decoder, handler = decoders[record.topic]
                 try:
-                    message = decoder.decode(record.value)
+                    message = decoder.decode(record.value, record.header(topics.CONTENT_TYPE))
                 except (msgspec.DecodeError, msgspec.ValidationError) as error:
                     outgoing += (
                         on_bad_record(record, error) if on_bad_record else [dead_letter(record, error)]
@@ -211,7 +211,7 @@ async def read_log(
     known to be there (one this process sent: the end of what it must read, where the broker's
     end offsets may lag); records that cannot be decoded are skipped."""
     name = topics.topic_name(topic, prefix)
-    decoder = topics.decoder(topic)
+    decoder = topics.TopicDecoder(topic)
     consumer = await bus.consumer([name], None, start={name: start})
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -224,7 +224,7 @@ async def read_log(
                 if record.offset >= end:
                     return messages
                 try:
-                    messages.append(decoder.decode(record.value))
+                    messages.append(decoder.decode(record.value, record.header(topics.CONTENT_TYPE)))
                 except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
                     log.warning("skipping an undecodable record at %s offset %d", name, record.offset)
     finally:

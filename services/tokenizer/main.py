@@ -20,16 +20,22 @@ FLAGS = dataclass_flags(TokenizerOptions)
 
 
 def bad_request(record: Record, error: Exception) -> list[Outgoing]:
-    """An invalid request whose id can still be read gets an error event; anything else is a
-    dead letter."""
+    """A request record that cannot be decoded goes to the dead-letter topic; when its request
+    id can be read (from the record, else its key), that stream also gets an error event, so that
+    a client with a typo gets an answer instead of waiting."""
+    out = [dead_letter(record, error)]
     try:
-        raw = msgspec.msgpack.decode(record.value)
+        raw = (msgspec.json if record.header(topics.CONTENT_TYPE) == topics.JSON else msgspec.msgpack).decode(
+            record.value
+        )
     except msgspec.DecodeError:
-        return [dead_letter(record, error)]
+        raw = None
     request_id = raw.get("request_id") if isinstance(raw, dict) else None
+    if not (isinstance(request_id, str) and request_id) and record.key:
+        request_id = record.key.decode(errors="replace")
     if isinstance(request_id, str) and request_id:
-        return [error_event(request_id, f"invalid request: {error}", record.headers)]
-    return [dead_letter(record, error)]
+        out.append(error_event(request_id, f"invalid request: {error}", record.headers))
+    return out
 
 
 async def run(

@@ -354,3 +354,62 @@ def test_fuzzed_input_topics_leave_every_service_up_and_every_good_stream_exact(
     assert after[-1].finish_reason == "length"
     missing = [(topic, value) for topic, value in junk if (topic, value) not in letters]
     assert not missing, missing
+
+
+def test_json_and_msgpack_requests_from_a_plain_kafka_client(bootstrap_servers):
+    """No parkade import on the client's side: aiokafka, json and msgpack only. A JSON request is
+    answered in JSON, a msgpack one in msgpack, both with the in-process engine's text; a keyed
+    record that cannot be decoded gets an error event and a dead letter."""
+    import json
+
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    expected = LLM(STORIES, dtype="float32", **ENGINE).generate(
+        ["Once upon a time"], SamplingParams(temperature=0, max_tokens=5)
+    )[0].outputs[0]
+
+    async def body(pipeline, prefix):
+        request = {
+            "type": "generate",
+            "request_id": "j1",
+            "prompt": "Once upon a time",
+            "sampling_params": {"max_tokens": 5, "temperature": 0},
+        }
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers)
+        await producer.start()
+        json_header = [("content-type", b"application/json")]
+        await producer.send_and_wait(
+            f"{prefix}requests", json.dumps(request).encode(), key=b"j1", headers=json_header
+        )
+        packed = msgspec.msgpack.encode({**request, "request_id": "m1"})
+        await producer.send_and_wait(f"{prefix}requests", packed, key=b"m1")
+        await producer.send_and_wait(f"{prefix}requests", b"{not json", key=b"bad1", headers=json_header)
+        await producer.stop()
+        consumer = AIOKafkaConsumer(
+            f"{prefix}tokens", f"{prefix}dead-letter", bootstrap_servers=bootstrap_servers,
+            auto_offset_reset="earliest",
+        )  # fmt: skip
+        await consumer.start()
+        events, letters, done = {}, [], set()
+        while done != {"j1", "m1", "bad1"} or not letters:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                for r in records:
+                    if r.topic.endswith("dead-letter"):
+                        letters.append(r)
+                        continue
+                    is_json = dict(r.headers).get("content-type") == b"application/json"
+                    event = json.loads(r.value) if is_json else msgspec.msgpack.decode(r.value)
+                    events.setdefault(r.key.decode(), []).append((is_json, event))
+                    if event["finish_reason"] is not None:
+                        done.add(r.key.decode())
+        await consumer.stop()
+        return events, letters
+
+    events, letters = run_with_pipeline(bootstrap_servers, body)
+    for key, is_json in (("j1", True), ("m1", False)):
+        assert all(j == is_json for j, _ in events[key]), key
+        assert "".join(e["text"] for _, e in events[key]) == expected.text
+        assert [t for _, e in events[key] for t in e["token_ids"]] == expected.token_ids
+    ((is_json, error),) = events["bad1"]
+    assert is_json and error["finish_reason"] == "error" and "invalid request" in error["error"]
+    assert [r.value for r in letters] == [b"{not json"]
