@@ -130,3 +130,26 @@ def test_each_topic_decodes_its_own_union_and_refuses_others():
         topics.DEAD_LETTER,
         topics.INSTANCES,
     }
+
+
+def test_the_published_json_schemas_match_the_wire_types():
+    """docs/schemas/ is generated: after changing a public message type, run
+    `python -m parkade.schemas.publish`."""
+    from pathlib import Path
+
+    from parkade.schemas.publish import json_schemas
+
+    folder = Path(__file__).resolve().parents[2] / "docs" / "schemas"
+    for name, text in json_schemas().items():
+        stale = f"{name} is out of date: python -m parkade.schemas.publish"
+        assert (folder / name).read_text() == text, stale
+
+
+def test_a_json_request_valid_against_the_published_schema_decodes():
+    import json
+
+    from parkade.schemas import GenerateRequest, topics
+
+    raw = {"type": "generate", "request_id": "j1", "prompt": "Once", "sampling_params": {"max_tokens": 5}}
+    message = topics.TopicDecoder(topics.REQUESTS).decode(json.dumps(raw).encode(), topics.JSON)
+    assert isinstance(message, GenerateRequest) and message.sampling_params.max_tokens == 5
