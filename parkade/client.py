@@ -4,8 +4,10 @@
         async for event in client.generate(prompt="Once upon a time", sampling_params=params):
             print(event.text, end="")
 
-The client reads the tokens topic itself (no consumer group: every client sees every event and
-keeps those of its own requests), starting from its end before it sends anything. An event
+Each client has a reply topic of its own (`<prefix>tokens.<random>`, named in every request's
+`reply-topic` header), so that its reading cost follows its own traffic; with
+`own_reply_topic=False` it reads the shared tokens topic instead (every client sees every event
+and keeps those of its own requests), from its end before it sends anything. An event
 whose trace context (`traceparent` header) is not its request's belongs to another request with
 the same id, and is not its stream's.
 
@@ -88,6 +90,7 @@ class Client:
         *,
         bus: Bus | None = None,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        own_reply_topic: bool = True,
     ) -> None:
         """Talk to the broker `bootstrap_servers` (default: see `find_broker`), or over `bus`."""
         if bus is None:
@@ -103,11 +106,14 @@ class Client:
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
         self._decoder = topics.TopicDecoder(topics.TOKENS)
+        shared = topics.topic_name(topics.TOKENS, self.prefix)
+        self.reply_topic = f"{shared}.{uuid.uuid4().hex[:12]}" if own_reply_topic else None
 
     async def start(self) -> None:
-        consumer = await self.bus.consumer(
-            [topics.topic_name(topics.TOKENS, self.prefix)], None, from_end=True
-        )
+        if self.reply_topic is not None:
+            await self.bus.create_topics([self.reply_topic], single_partition=False)
+        topic = self.reply_topic or topics.topic_name(topics.TOKENS, self.prefix)
+        consumer = await self.bus.consumer([topic], None, from_end=True)
         self._reader = asyncio.create_task(self._read(consumer))
 
     async def _read(self, consumer: Any) -> None:
@@ -189,7 +195,9 @@ class Client:
         )
         traceparent = new_traceparent()
         self._streams[request.request_id] = _Stream(traceparent)
-        headers = (("traceparent", traceparent),)
+        headers: tuple[tuple[str, bytes], ...] = (("traceparent", traceparent),)
+        if self.reply_topic is not None:
+            headers += ((topics.REPLY_TOPIC, self.reply_topic.encode()),)
         try:
             await send_all(
                 self.bus, [Outgoing(topics.REQUESTS, request, request.request_id, headers)], self.prefix

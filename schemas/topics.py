@@ -6,6 +6,7 @@ its topic and dispatches on the type. Names get a configurable prefix (`parkade.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -55,6 +56,10 @@ JSON_ENCODER = msgspec.json.Encoder()
 # record is decoded by its own header and every record about a request carries the request's
 # headers, so a JSON request is answered in JSON on every topic it crosses.
 CONTENT_TYPE = "content-type"
+# A request's header naming the topic its token events go to, instead of the shared tokens topic
+# (Kafka's request-reply convention); keyed by request id there too.
+REPLY_TOPIC = "reply-topic"
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 JSON = b"application/json"
 MSGPACK = b"application/msgpack"
 ALL_TOPICS = (REQUESTS, TOKENIZED, STEP_PLANS, STEP_RESULTS, GENERATED, TOKENS, DEAD_LETTER, INSTANCES)
@@ -83,6 +88,15 @@ class TopicDecoder:
 
     def decode(self, value: bytes, content_type: bytes | None = None) -> Any:
         return (self.json if content_type == JSON else self.msgpack).decode(value)
+
+
+def reply_topic(headers: tuple[tuple[str, bytes], ...]) -> str | None:
+    """The reply topic a request's headers name, if any and valid (Kafka's topic name rules)."""
+    value = next((v for k, v in headers if k == REPLY_TOPIC), None)
+    if value is None:
+        return None
+    name = value.decode(errors="replace")
+    return name if _TOPIC_NAME.fullmatch(name) and name not in (".", "..") else None
 
 
 def encode(message: Any, headers: tuple[tuple[str, bytes], ...] = ()) -> bytes:

@@ -57,12 +57,14 @@ class CommitError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class Outgoing:
     """A record a handler wants sent: `topic` is the unprefixed name (schemas.topics); `message`
-    a msgspec Struct, or raw bytes (a dead letter)."""
+    a msgspec Struct, or raw bytes (a dead letter); `to`, a full topic name sent to instead of
+    `topic`'s (a client's reply topic)."""
 
     topic: str
     message: Any
     key: str | None = None
     headers: Headers = ()
+    to: str | None = None
 
 
 class Consumer(Protocol):
@@ -120,8 +122,9 @@ class Bus(Protocol):
         """The offset kept by `save_progress`; None if none was."""
         ...
 
-    async def create_topics(self, topics: list[str]) -> None:
-        """Create the topics that do not exist yet."""
+    async def create_topics(self, topics: list[str], *, single_partition: bool = True) -> None:
+        """Create the topics that do not exist yet; with `single_partition`, refuse existing ones
+        with more than one partition (TopicLayoutError)."""
         ...
 
     async def ping(self, timeout_s: float) -> None:

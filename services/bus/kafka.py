@@ -182,8 +182,9 @@ class KafkaBus:
                 acks.append(_completed(error))
         return _outcomes(acks)
 
-    async def create_topics(self, topics: list[str]) -> None:
-        """Create missing topics with one partition each, and refuse existing ones with more.
+    async def create_topics(self, topics: list[str], *, single_partition: bool = True) -> None:
+        """Create missing topics with one partition each, and (`single_partition`) refuse existing
+        ones with more.
 
         NOTE: one partition is what gives the services their order: step results in step order,
         and a request's records in the order they were sent across the topics it crosses.
@@ -198,7 +199,7 @@ class KafkaBus:
             if missing:
                 with contextlib.suppress(TopicAlreadyExistsError):
                     await admin.create_topics(missing)
-            for described in await admin.describe_topics(topics):
+            for described in await admin.describe_topics(topics) if single_partition else ():
                 num_partitions = len(described.get("partitions") or ())
                 if num_partitions > 1:
                     raise TopicLayoutError(

@@ -106,7 +106,7 @@ class MemoryBus:
         done.set_result(outcomes)
         return done
 
-    async def create_topics(self, topics: list[str]) -> None:
+    async def create_topics(self, topics: list[str], *, single_partition: bool = True) -> None:
         for topic in topics:
             self.topics.setdefault(topic, [])
 

@@ -86,7 +86,8 @@ async def queue_all(bus: Bus, outgoing: list[Outgoing], prefix: str) -> Awaitabl
         value = out.message if isinstance(out.message, bytes) else topics.encode(out.message, out.headers)
         key = out.key.encode() if out.key is not None else None
         headers = out.headers if isinstance(out.message, bytes) else (*out.headers, SCHEMA_HEADER)
-        records.append(OutgoingRecord(topics.topic_name(out.topic, prefix), value, key, headers))
+        name = out.to or topics.topic_name(out.topic, prefix)
+        records.append(OutgoingRecord(name, value, key, headers))
     return await bus.queue_many(records)
 
 

@@ -79,9 +79,14 @@ class _Orphan:
     events: list[GeneratedTokens] = field(default_factory=list)
 
 
+def tokens_out(event: TokenEvent, headers: Headers) -> Outgoing:
+    """A token event, to the request's reply topic if it named one, else the shared one."""
+    return Outgoing(topics.TOKENS, event, event.request_id, headers, topics.reply_topic(headers))
+
+
 def error_event(request_id: str, message: str, headers: Headers = (), index: int = 0) -> Outgoing:
     event = TokenEvent(request_id=request_id, index=index, finish_reason=FinishReason.ERROR, error=message)
-    return Outgoing(topics.TOKENS, event, request_id, headers)
+    return tokens_out(event, headers)
 
 
 def token_event(request_id: str, update: StreamUpdate) -> TokenEvent:
@@ -148,6 +153,9 @@ class TokenizerHandler:
                 return []  # a redelivered request
             error = f"request id {request_id!r} is in use by a live request"
             return [error_event(request_id, error, headers)]
+        named = next((v for k, v in headers if k == topics.REPLY_TOPIC), None)
+        if named is not None and topics.reply_topic(headers) is None:
+            return [error_event(request_id, f"invalid reply-topic header {named[:300]!r}", headers)]
         if request_id in self.finished:
             if source is None or self.finished.get(request_id) == source:
                 return []  # a redelivered request
@@ -294,7 +302,7 @@ class TokenizerHandler:
             out.append(Outgoing(topics.TOKENIZED, finish, request_id, open_.headers))
         if update.finish_reason is not None:
             self._close(request_id)
-        out.append(Outgoing(topics.TOKENS, token_event(request_id, update), request_id, open_.headers))
+        out.append(tokens_out(token_event(request_id, update), open_.headers))
         return out
 
     def on_send_error(self, out: Outgoing, error: Exception) -> list[Outgoing]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 import msgspec
@@ -14,6 +15,8 @@ from parkade.services.bus.serve import dead_letter, send_all, serve
 from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
 from parkade.services.tokenizer.frontend import FrontEnd, TokenizerOptions
 from parkade.services.tokenizer.handler import TokenizerHandler, error_event
+
+log = logging.getLogger(__name__)
 
 GROUP_ID = "parkade-tokenizer"
 FLAGS = dataclass_flags(TokenizerOptions)
@@ -47,14 +50,30 @@ async def run(
     ready: Callable[[], None] | None = None,
 ) -> None:
     await send_all(bus, [handler.announcement()], prefix)  # read back: see TokenizerHandler
+    replies_ready: set[str] = set()  # reply topics known to exist
+
+    async def on_request(message, record):
+        headers = record.headers
+        reply = topics.reply_topic(headers)
+        if reply is not None and reply not in replies_ready:
+            try:
+                await bus.create_topics([reply], single_partition=False)
+                if len(replies_ready) > 100_000:
+                    replies_ready.clear()
+                replies_ready.add(reply)
+            except Exception as error:  # a name the broker refuses: answer on the shared topic
+                log.warning("reply topic %s could not be created: %s", reply, error)
+                headers = tuple(h for h in headers if h[0] != topics.REPLY_TOPIC)
+                error_text = f"the reply topic {reply!r} could not be created: {error}"
+                return [error_event(getattr(message, "request_id", ""), error_text, headers)]
+        return handler.on_request(message, headers, (record.topic, record.partition, record.offset))
+
     await serve(
         bus,
         prefix=prefix,
         group_id=GROUP_ID,
         handlers={
-            topics.REQUESTS: lambda message, record: handler.on_request(
-                message, record.headers, (record.topic, record.partition, record.offset)
-            ),
+            topics.REQUESTS: on_request,
             topics.GENERATED: lambda message, record: handler.on_generated(message, record.offset),
         },
         after_batch=handler.check_orphans,

@@ -139,7 +139,7 @@ def test_bad_records_get_an_error_event_or_a_dead_letter_and_disturb_nothing(boo
         bus = KafkaBus(bootstrap_servers, client_id="e2e-raw")
         dead = await bus.consumer([topics.topic_name(topics.DEAD_LETTER, prefix)], None)
         requests_topic = topics.topic_name(topics.REQUESTS, prefix)
-        async with Client(bootstrap_servers, prefix) as client:
+        async with Client(bootstrap_servers, prefix, own_reply_topic=False) as client:
             good = asyncio.create_task(_collect(client, "Once upon a time", params))
             await bus.send(requests_topic, b"\xc1 this is not msgpack")
             invalid = {
@@ -272,7 +272,7 @@ def test_fuzzed_input_topics_leave_every_service_up_and_every_good_stream_exact(
     async def body(pipeline, prefix):
         name = lambda topic: topics.topic_name(topic, prefix)  # noqa: E731
         bus = KafkaBus(bootstrap_servers, client_id="e2e-fuzz")
-        async with Client(bootstrap_servers, prefix) as client:
+        async with Client(bootstrap_servers, prefix, own_reply_topic=False) as client:
             await _collect(client, "Mom said", params)  # real records to copy, of a finished request
             real = {}
             for topic in (topics.REQUESTS, topics.TOKENIZED, topics.STEP_PLANS):
@@ -384,14 +384,19 @@ def test_json_and_msgpack_requests_from_a_plain_kafka_client(bootstrap_servers):
         packed = msgspec.msgpack.encode({**request, "request_id": "m1"})
         await producer.send_and_wait(f"{prefix}requests", packed, key=b"m1")
         await producer.send_and_wait(f"{prefix}requests", b"{not json", key=b"bad1", headers=json_header)
+        reply_header = [*json_header, ("reply-topic", f"{prefix}my-replies".encode())]
+        await producer.send_and_wait(
+            f"{prefix}requests", json.dumps({**request, "request_id": "r1"}).encode(), key=b"r1",
+            headers=reply_header,
+        )  # fmt: skip
         await producer.stop()
         consumer = AIOKafkaConsumer(
-            f"{prefix}tokens", f"{prefix}dead-letter", bootstrap_servers=bootstrap_servers,
-            auto_offset_reset="earliest",
+            f"{prefix}tokens", f"{prefix}dead-letter", f"{prefix}my-replies",
+            bootstrap_servers=bootstrap_servers, auto_offset_reset="earliest", metadata_max_age_ms=500,
         )  # fmt: skip
         await consumer.start()
-        events, letters, done = {}, [], set()
-        while done != {"j1", "m1", "bad1"} or not letters:
+        events, letters, done, topics_of = {}, [], set(), {}
+        while done != {"j1", "m1", "bad1", "r1"} or not letters:
             for records in (await consumer.getmany(timeout_ms=500)).values():
                 for r in records:
                     if r.topic.endswith("dead-letter"):
@@ -400,12 +405,15 @@ def test_json_and_msgpack_requests_from_a_plain_kafka_client(bootstrap_servers):
                     is_json = dict(r.headers).get("content-type") == b"application/json"
                     event = json.loads(r.value) if is_json else msgspec.msgpack.decode(r.value)
                     events.setdefault(r.key.decode(), []).append((is_json, event))
+                    topics_of.setdefault(r.key.decode(), set()).add(r.topic.removeprefix(prefix))
                     if event["finish_reason"] is not None:
                         done.add(r.key.decode())
         await consumer.stop()
-        return events, letters
+        return events, letters, topics_of
 
-    events, letters = run_with_pipeline(bootstrap_servers, body)
+    events, letters, topics_of = run_with_pipeline(bootstrap_servers, body)
+    assert topics_of == {"j1": {"tokens"}, "m1": {"tokens"}, "bad1": {"tokens"}, "r1": {"my-replies"}}
+    assert "".join(e["text"] for _, e in events["r1"]) == expected.text
     for key, is_json in (("j1", True), ("m1", False)):
         assert all(j == is_json for j, _ in events[key]), key
         assert "".join(e["text"] for _, e in events[key]) == expected.text

@@ -34,7 +34,7 @@ async def send_event(bus, event, traceparent):
 def test_events_of_another_request_with_the_same_id_do_not_reach_the_stream():
     async def main():
         bus = MemoryBus()
-        async with Client(bus=bus, topic_prefix=PREFIX) as client:
+        async with Client(bus=bus, topic_prefix=PREFIX, own_reply_topic=False) as client:
             await client.submit(prompt="Hi", request_id="r")
             with pytest.raises(ValueError, match="being streamed by this client already"):
                 await client.submit(prompt="Hi", request_id="r")
