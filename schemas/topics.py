@@ -87,7 +87,12 @@ class TopicDecoder:
         self.json = msgspec.json.Decoder(TOPIC_TYPES[topic])
 
     def decode(self, value: bytes, content_type: bytes | None = None) -> Any:
-        return (self.json if content_type == JSON else self.msgpack).decode(value)
+        return (self.json if is_json(content_type) else self.msgpack).decode(value)
+
+
+def is_json(content_type: bytes | None) -> bool:
+    """Whether a content-type header value names JSON (parameters such as a charset aside)."""
+    return content_type is not None and content_type.split(b";")[0].strip().lower() == JSON
 
 
 def reply_topic(headers: tuple[tuple[str, bytes], ...]) -> str | None:
@@ -101,5 +106,5 @@ def reply_topic(headers: tuple[tuple[str, bytes], ...]) -> str | None:
 
 def encode(message: Any, headers: tuple[tuple[str, bytes], ...] = ()) -> bytes:
     """A message in the encoding its headers name (see CONTENT_TYPE)."""
-    is_json = any(key == CONTENT_TYPE and value == JSON for key, value in headers)
-    return JSON_ENCODER.encode(message) if is_json else ENCODER.encode(message)
+    json = any(key == CONTENT_TYPE and is_json(value) for key, value in headers)
+    return JSON_ENCODER.encode(message) if json else ENCODER.encode(message)

@@ -28,9 +28,8 @@ def bad_request(record: Record, error: Exception) -> list[Outgoing]:
     a client with a typo gets an answer instead of waiting."""
     out = [dead_letter(record, error)]
     try:
-        raw = (msgspec.json if record.header(topics.CONTENT_TYPE) == topics.JSON else msgspec.msgpack).decode(
-            record.value
-        )
+        codec = msgspec.json if topics.is_json(record.header(topics.CONTENT_TYPE)) else msgspec.msgpack
+        raw = codec.decode(record.value)
     except msgspec.DecodeError:
         raw = None
     request_id = raw.get("request_id") if isinstance(raw, dict) else None

@@ -153,3 +153,15 @@ def test_a_json_request_valid_against_the_published_schema_decodes():
     raw = {"type": "generate", "request_id": "j1", "prompt": "Once", "sampling_params": {"max_tokens": 5}}
     message = topics.TopicDecoder(topics.REQUESTS).decode(json.dumps(raw).encode(), topics.JSON)
     assert isinstance(message, GenerateRequest) and message.sampling_params.max_tokens == 5
+
+
+def test_json_is_named_by_the_content_type_header_parameters_aside():
+    from parkade.schemas import AbortRequest, topics
+
+    message = AbortRequest(request_id="a")
+    for value in (b"application/json", b"application/json; charset=utf-8", b"Application/JSON"):
+        encoded = topics.encode(message, ((topics.CONTENT_TYPE, value),))
+        assert encoded == b'{"type":"abort","request_id":"a"}'
+        assert topics.TopicDecoder(topics.REQUESTS).decode(encoded, value) == message
+    packed = topics.encode(message, ((topics.CONTENT_TYPE, topics.MSGPACK),))
+    assert packed == topics.ENCODER.encode(message) == topics.encode(message)
