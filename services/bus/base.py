@@ -1,7 +1,7 @@
 """`Bus` and `Consumer`: what a service needs from a broker, and no more.
 
 Outgoing        a message a handler wants sent (a Struct, its unprefixed topic)
--> OutgoingRecord  the encoded record on its full topic name, handed to `Bus.send_many`
+-> OutgoingRecord  the encoded record on its full topic name, handed to `Bus.queue_many`
 Record          a record read back by a `Consumer`, with its partition and offset
 """
 
@@ -85,11 +85,6 @@ class Bus(Protocol):
         self, topic: str, value: bytes, *, key: bytes | None = None, headers: Headers = ()
     ) -> None:
         """Send one record; returns once the broker has it."""
-        ...
-
-    async def send_many(self, records: list[OutgoingRecord]) -> None:
-        """Send records in order (per partition); returns once the broker has them all, and raises
-        `RecordRejected` if it refused one."""
         ...
 
     async def queue_many(self, records: list[OutgoingRecord]) -> Awaitable[list[Outcome]]:

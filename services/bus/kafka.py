@@ -165,11 +165,6 @@ class KafkaBus:
             await consumer.position(tp)  # resolve now, so nothing sent after this is missed
         return KafkaConsumer(consumer, group_id)
 
-    async def send_many(self, records: list[OutgoingRecord]) -> None:
-        for outcome in await (await self.queue_many(records)):
-            if isinstance(outcome, RecordRejected):
-                raise outcome
-
     async def queue_many(self, records: list[OutgoingRecord]) -> Awaitable[list[Outcome]]:
         # Queue them all, then wait: one round trip for the batch rather than one per record.
         # The producer keeps the order within a partition.

@@ -89,11 +89,6 @@ class MemoryBus:
     async def load_progress(self, group_id: str, topic: str) -> int | None:
         return self.progress.get((group_id, topic))
 
-    async def send_many(self, records: list[OutgoingRecord]) -> None:
-        for outcome in await (await self.queue_many(records)):
-            if isinstance(outcome, RecordRejected):
-                raise outcome
-
     async def queue_many(self, records: list[OutgoingRecord]) -> Awaitable[list[Outcome]]:
         outcomes: list[Outcome] = []
         for r in records:  # in memory: had at once, unless over the size limit
