@@ -368,13 +368,20 @@ class SchedulerHandler:
                 suspects.append(request_id)
                 continue
             error = f"the executor failed {failures} steps with this request: {result.error}"
-            event = self.scheduler.finish_request(request_id, FinishReason.ERROR, error=error)
-            if event is not None:
-                out.append(self._generated(event))
+            out += self._end_with_error(request_id, error)
         # The suspects run alone next, so a failure that repeats is pinned on its request and
         # does not end the others that happened to share its step.
         self._recompute_everything(epoch=result.epoch + 1, suspects=suspects)
         return out
+
+    def _end_with_error(self, request_id: str, error: str) -> list[Outgoing]:
+        """End a live request, pending or in the scheduler, with an error event naming `error`."""
+        if self.pending.pop(request_id, None) is not None:
+            return [self._refused(request_id, error)]
+        if self.scheduler is None:
+            return []
+        event = self.scheduler.finish_request(request_id, FinishReason.ERROR, error=error)
+        return [self._generated(event)] if event is not None else []
 
     def _recompute_everything(self, epoch: int | None = None, suspects: list[str] | None = None) -> None:
         """The executor holds no request state (it failed a step, was lost, or is a new one):
@@ -413,12 +420,7 @@ class SchedulerHandler:
             if now - since < self.executor_wait_s:
                 continue
             error = f"no executor to run this request for {self.executor_wait_s:g} s"
-            if self.pending.pop(request_id, None) is not None:
-                out.append(self._refused(request_id, error))
-            elif self.scheduler is not None:
-                event = self.scheduler.finish_request(request_id, FinishReason.ERROR, error=error)
-                if event is not None:
-                    out.append(self._generated(event))
+            out += self._end_with_error(request_id, error)
             self.waiting_since.pop(request_id, None)
         return out
 
