@@ -20,7 +20,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	VENV=$(VENV) bash scripts/demo.sh
 
+# The README's kcat lines are run by a test: Debian's kcat, installed here when we may (root, apt).
 test: $(STAMP)
+	command -v kcat >/dev/null || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
+	  { apt-get install -y -qq kcat >/dev/null || { apt-get update -qq && apt-get install -y -qq kcat >/dev/null; }; }; } || \
+	  echo "kcat is not installed (apt-get install kcat): its test will fail"
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 

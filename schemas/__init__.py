@@ -5,6 +5,7 @@ Schemas evolve only by appending fields with defaults.
 
 from parkade.schemas.engine import (
     EngineRequest,
+    ErrorKind,
     FinishReason,
     FinishRequest,
     GeneratedBatch,
@@ -32,6 +33,7 @@ __all__ = [
     "CachedRequestData",
     "ChatMessage",
     "EngineRequest",
+    "ErrorKind",
     "ExecutorAnnouncement",
     "FinishReason",
     "FinishRequest",

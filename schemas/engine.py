@@ -20,6 +20,15 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+class ErrorKind(enum.StrEnum):
+    """Why a request ended with an error, for clients that answer with a status (the gateway)."""
+
+    INVALID_REQUEST = "invalid_request"  # it cannot run as sent: a bad prompt, id or parameter
+    OVERLOADED = "overloaded"  # refused by a queue bound; the same request may run later
+    UNAVAILABLE = "unavailable"  # no executor, or a service lost its state: try again
+    INTERNAL = "internal"  # a failure while it ran
+
+
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_request"):
     """A tokenized generate request. `eos_token_ids` come from the model's generation config."""
 
@@ -72,6 +81,7 @@ class GeneratedTokens(msgspec.Struct, frozen=True, kw_only=True, tag="generated_
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # with finish_reason "error": why the request was refused
+    error_kind: ErrorKind | None = None  # with `error`
 
 
 class GeneratedBatch(msgspec.Struct, frozen=True, kw_only=True, tag="generated_batch"):

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import msgspec
 
-from parkade.schemas.engine import FinishReason, TokenLogprobs
+from parkade.schemas.engine import ErrorKind, FinishReason, TokenLogprobs
 
 
-class Usage(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """Token counts of a finished request; an object with named fields on the wire (once per
+    request, so its field names cost nothing that matters)."""
+
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -18,7 +21,7 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="token_event"):
     new text (held back while it could still become a stop string).
 
     The last event of a request has `finish_reason` and `usage`; a failed request gets one with
-    finish_reason "error" and `error` set.
+    finish_reason "error", `error` (why) and `error_kind` (what a client may do about it).
     """
 
     request_id: str
@@ -30,3 +33,4 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="token_event"):
     stop_reason: int | str | None = None
     usage: Usage | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None

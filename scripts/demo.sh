@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: start Parkade on its defaults (`parkade up`: the shipped stories260K model, a local
-# broker) in the background, stream one story through Kafka with `parkade generate`, then stop it.
+# broker, the gateway on a free port) in the background, stream one story through Kafka with
+# `parkade generate`, ask the gateway's OpenAI API for one more, then stop it.
 # Exits non-zero if Parkade did not start, if generate failed, or if Parkade did not stop cleanly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ export PARKADE_HOME="${PARKADE_HOME:-$HOME/.cache/parkade}"
 unset KAFKA_BOOTSTRAP_SERVERS  # the embedded broker, whatever this shell points at
 START_TIMEOUT_S="${START_TIMEOUT_S:-300}"
 
-"$PARKADE" up &
+"$PARKADE" up --http-port "${HTTP_PORT:-0}" &
 up_pid=$!
 stop_up() {
     if kill -0 "$up_pid" 2>/dev/null; then
@@ -44,6 +45,17 @@ done
 echo '$ parkade generate "Once upon a time" --temperature 0 --max-tokens 64'
 status=0
 "$PARKADE" generate "Once upon a time" --temperature 0 --max-tokens 64 || status=$?
+if ((status == 0)); then
+    "$VENV/bin/python" - "$PARKADE_HOME/up.json" <<'PY' || status=$?
+import json, sys, urllib.request
+url = json.load(open(sys.argv[1]))["gateway_url"] + "/completions"
+body = {"prompt": "Lily and Tom", "max_tokens": 32, "temperature": 0}
+print(f"$ curl {url} -d '{json.dumps(body)}'")
+request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+answer = json.load(urllib.request.urlopen(request, timeout=120))
+print(answer["choices"][0]["text"].strip(), f"[usage={answer['usage']}]")
+PY
+fi
 up_status=0
 stop_up || up_status=$?
 if ((status != 0)); then

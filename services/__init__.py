@@ -8,6 +8,7 @@ too:
     tokenizer/   front end: prompts -> EngineRequests, GeneratedTokens -> token events
     scheduler/   page table and token-level admission; no torch, no I/O
     executor/    the model, the physical KV block pool and the sampler
+    gateway/     the OpenAI HTTP API: a Kafka client of the requests and tokens topics
 
 Libraries the services share:
 
@@ -20,4 +21,6 @@ folder, never another service's folder; nothing here imports the in-process engi
 command line (`tests/unit/test_architecture.py` checks it).
 """
 
-SERVICES = ("tokenizer", "scheduler", "executor")
+SERVICES = ("tokenizer", "scheduler", "executor", "gateway")
+# The services a request passes through; the gateway is a client of them.
+PIPELINE = ("tokenizer", "scheduler", "executor")

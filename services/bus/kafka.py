@@ -101,21 +101,26 @@ class KafkaBus:
         self.client_id = client_id
         self.idempotence = idempotence
         self._producer: AIOKafkaProducer | None = None
+        self._producer_lock = asyncio.Lock()
         self._progress: dict[tuple[str, str], AIOKafkaConsumer] = {}
 
     async def _started_producer(self) -> AIOKafkaProducer:
-        if self._producer is None:
-            # acks="all": a record counts as sent once every in-sync replica has it, so that a
-            # leader's failover cannot lose what was acknowledged (and then committed past).
-            producer = AIOKafkaProducer(
-                bootstrap_servers=self.bootstrap_servers,
-                client_id=self.client_id,
-                linger_ms=0,
-                enable_idempotence=self.idempotence,
-                acks="all",
-            )
-            await producer.start()
-            self._producer = producer
+        if self._producer is not None:
+            return self._producer
+        # NOTE: locked: concurrent first sends (a gateway's burst) would each start a producer.
+        async with self._producer_lock:
+            if self._producer is None:
+                # acks="all": a record counts as sent once every in-sync replica has it, so that
+                # a leader's failover cannot lose what was acknowledged (and then committed past).
+                producer = AIOKafkaProducer(
+                    bootstrap_servers=self.bootstrap_servers,
+                    client_id=self.client_id,
+                    linger_ms=0,
+                    enable_idempotence=self.idempotence,
+                    acks="all",
+                )
+                await producer.start()
+                self._producer = producer
         return self._producer
 
     async def send(

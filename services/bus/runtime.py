@@ -96,7 +96,7 @@ def run_service(
     from parkade.services.bus.kafka import BrokerUnreachableError, TopicLayoutError
 
     try:
-        return _run_until_signalled(serve_forever)
+        return run_until_signalled(serve_forever)
     except BrokerUnreachableError as error:
         print(
             f"parkade {name}: cannot reach the broker at {args.bootstrap_servers}: {error}", file=sys.stderr
@@ -148,7 +148,7 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
 
-def _run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> int:
+def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> int:
     """Run `serve(stop)`; SIGINT or SIGTERM sets `stop`, and the service finishes its batch."""
 
     async def main() -> None:

@@ -48,6 +48,7 @@ import msgspec
 
 from parkade.schemas import (
     EngineRequest,
+    ErrorKind,
     ExecutorAnnouncement,
     FinishReason,
     FinishRequest,
@@ -62,7 +63,7 @@ from parkade.services.bus.base import Headers, Outgoing
 from parkade.services.bus.serve import rejected_letter
 from parkade.services.common.recent import RecentIds
 from parkade.services.scheduler.config import KVGeometry, SchedulerConfig, SchedulingOptions
-from parkade.services.scheduler.scheduler import Scheduler
+from parkade.services.scheduler.scheduler import OverloadedError, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,8 @@ class SchedulerHandler:
             # A different pool: block ids and limits of the old one mean nothing there. End the
             # live requests with an error rather than run them on a page table that does not fit.
             for request_id in list(self.scheduler.requests):
-                out.append(self._refused(request_id, "the executor was replaced by one with another KV pool"))
+                error = "the executor was replaced by one with another KV pool"
+                out.append(self._refused(request_id, error, ErrorKind.UNAVAILABLE))
             self.scheduler = None
         try:
             self.scheduler = Scheduler(SchedulerConfig.build(self.options, geometry))
@@ -266,7 +268,7 @@ class SchedulerHandler:
             # here is answered too: after its final event, so the tokenizer drops the answer.)
             self.headers[request_id] = headers
             error = f"request id {request_id!r} was used by a request that ended recently; use a fresh id"
-            return [self._refused(request_id, error)]
+            return [self._refused(request_id, error, ErrorKind.INVALID_REQUEST)]
         self.headers.setdefault(request_id, headers)
         if offset is not None:
             self.sources.setdefault(request_id, offset)
@@ -278,7 +280,7 @@ class SchedulerHandler:
             # A request recovered from the log was admitted before the restart: never refused.
             if len(self.pending) >= self.options.max_waiting_requests and request_id not in self.resume:
                 error = f"overloaded: {len(self.pending)} requests wait for an executor"
-                return [self._refused(request_id, error)]
+                return [self._refused(request_id, error, ErrorKind.OVERLOADED)]
             self.pending[request_id] = message
             self.waiting_since.setdefault(request_id, self.clock())
             return []
@@ -286,27 +288,31 @@ class SchedulerHandler:
 
     def _add(self, request: EngineRequest) -> list[Outgoing]:
         if self.scheduler is None:
-            return [self._refused(request.request_id, self.config_error or "no scheduler")]
+            error = self.config_error or "no scheduler"
+            return [self._refused(request.request_id, error, ErrorKind.UNAVAILABLE)]
         if request.request_id in self.scheduler.requests or request.request_id in self.finished:
             return []  # a redelivered request
         if max(request.prompt_token_ids) >= self.vocab_size:
             # The front end checks this; a record from elsewhere would fail the executor's step.
             error = f"prompt_token_ids must be < {self.vocab_size} (the model's vocab_size)"
-            return [self._refused(request.request_id, error)]
+            return [self._refused(request.request_id, error, ErrorKind.INVALID_REQUEST)]
         try:
             self.scheduler.add(request, self.resume.get(request.request_id, ()))
+        except OverloadedError as error:
+            return [self._refused(request.request_id, str(error), ErrorKind.OVERLOADED)]
         except ValueError as error:
-            return [self._refused(request.request_id, str(error))]
+            return [self._refused(request.request_id, str(error), ErrorKind.INVALID_REQUEST)]
         self.resume.pop(request.request_id, None)
         return []
 
-    def _refused(self, request_id: str, error: str) -> Outgoing:
+    def _refused(self, request_id: str, error: str, kind: ErrorKind) -> Outgoing:
         event = GeneratedTokens(
             request_id=request_id,
             index=len(self.resume.get(request_id, ())),  # after what it generated before a restart
             token_ids=(),
             finish_reason=FinishReason.ERROR,
             error=error,
+            error_kind=kind,
         )
         return self._generated(event)
 
@@ -368,19 +374,19 @@ class SchedulerHandler:
                 suspects.append(request_id)
                 continue
             error = f"the executor failed {failures} steps with this request: {result.error}"
-            out += self._end_with_error(request_id, error)
+            out += self._end_with_error(request_id, error, ErrorKind.INTERNAL)
         # The suspects run alone next, so a failure that repeats is pinned on its request and
         # does not end the others that happened to share its step.
         self._recompute_everything(epoch=result.epoch + 1, suspects=suspects)
         return out
 
-    def _end_with_error(self, request_id: str, error: str) -> list[Outgoing]:
+    def _end_with_error(self, request_id: str, error: str, kind: ErrorKind) -> list[Outgoing]:
         """End a live request, pending or in the scheduler, with an error event naming `error`."""
         if self.pending.pop(request_id, None) is not None:
-            return [self._refused(request_id, error)]
+            return [self._refused(request_id, error, kind)]
         if self.scheduler is None:
             return []
-        event = self.scheduler.finish_request(request_id, FinishReason.ERROR, error=error)
+        event = self.scheduler.finish_request(request_id, FinishReason.ERROR, error=error, error_kind=kind)
         return [self._generated(event)] if event is not None else []
 
     def _recompute_everything(self, epoch: int | None = None, suspects: list[str] | None = None) -> None:
@@ -420,7 +426,7 @@ class SchedulerHandler:
             if now - since < self.executor_wait_s:
                 continue
             error = f"no executor to run this request for {self.executor_wait_s:g} s"
-            out += self._end_with_error(request_id, error)
+            out += self._end_with_error(request_id, error, ErrorKind.UNAVAILABLE)
             self.waiting_since.pop(request_id, None)
         return out
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from parkade.schemas import (
     CachedRequestData,
     EngineRequest,
+    ErrorKind,
     FinishReason,
     GeneratedTokens,
     NewRequestData,
@@ -130,6 +131,7 @@ class Scheduler:
         stop_reason: int | str | None = None,
         *,
         error: str | None = None,
+        error_kind: ErrorKind | None = None,
     ) -> GeneratedTokens | None:
         """End a live request early (abort, stop string, an error named by `error`). Returns its
         final event, or None when the request is unknown or already finished (idempotent)."""
@@ -149,6 +151,7 @@ class Scheduler:
             stop_reason=stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             error=error,
+            error_kind=error_kind,
         )
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None) -> None:

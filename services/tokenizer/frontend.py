@@ -24,12 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from parkade.models import DEFAULT_MODEL
 from parkade.schemas import (
-    ChatMessage,
     EngineRequest,
+    ErrorKind,
     FinishReason,
     GeneratedTokens,
     GenerateRequest,
@@ -37,14 +35,15 @@ from parkade.schemas import (
     TokenLogprobs,
     Usage,
 )
+from parkade.services.common import prompts
 from parkade.services.common.model_config import ModelConfig
 from parkade.services.common.model_files import MODEL_METADATA, check_model_folder, load_tokenizer
+from parkade.services.common.prompts import ChatType
 from parkade.services.tokenizer.detokenizer import IncrementalDetokenizer
 
 # A prompt as vLLM's offline API takes it: text, {"prompt": text}, or {"prompt_token_ids": [...]}
 # (optionally with "prompt", kept for the output).
 PromptType = str | Mapping[str, Any]
-ChatType = Sequence[ChatMessage | Mapping[str, str]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +81,7 @@ class StreamUpdate:
     stop_scheduler: bool = False  # a stop string matched: the scheduler must finish the request
     usage: Usage | None = None  # on the last update
     error: str | None = None  # with finish_reason "error"
+    error_kind: ErrorKind | None = None  # with `error`
 
 
 class RequestStream:
@@ -115,7 +115,13 @@ class RequestStream:
         if message.error is not None:
             self.finished = True
             return StreamUpdate(
-                self.next_index, (), self.text, "", finish_reason=FinishReason.ERROR, error=message.error
+                self.next_index,
+                (),
+                self.text,
+                "",
+                finish_reason=FinishReason.ERROR,
+                error=message.error,
+                error_kind=message.error_kind or ErrorKind.INTERNAL,
             )
         if message.token_ids and self.first_token_time is None:
             self.first_token_time = time.time()
@@ -200,16 +206,7 @@ class FrontEnd:
         the tokenizer's chat template), which win over `prompt` text; with token ids, `prompt` is
         only kept for the output. Raises ValueError for a request that cannot run on this model."""
         params = sampling_params or SamplingParams()
-        token_ids = self._tokenize(prompt, prompt_token_ids, messages)
-        if not token_ids:
-            raise ValueError("the prompt has no tokens")
-        if self.max_model_len is not None and len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, more than the model's max_model_len="
-                f"{self.max_model_len}"
-            )
-        if not 0 <= min(token_ids) <= max(token_ids) < self.vocab_size:
-            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}) (the model's vocab_size)")
+        token_ids = self.prompt_token_ids(prompt, prompt_token_ids, messages)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         request = EngineRequest(
@@ -236,21 +233,21 @@ class FrontEnd:
             priority=message.priority,
         )
 
-    def _tokenize(
-        self, prompt: str | None, prompt_token_ids: Sequence[int] | None, messages: ChatType | None
+    def prompt_token_ids(
+        self,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: ChatType | None = None,
     ) -> list[int]:
-        if prompt_token_ids is not None:
-            return [int(t) for t in prompt_token_ids]
-        if self.tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids instead")
-        if messages is not None:
-            chat = [m if isinstance(m, Mapping) else msgspec.structs.asdict(m) for m in messages]
-            text = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-            # The template writes the special tokens (BOS) itself.
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        if prompt is None:
-            raise ValueError("no prompt: give prompt text, prompt_token_ids or messages")
-        return list(self.tokenizer.encode(prompt))
+        """The prompt's token ids, checked against the model (see `prompts.prompt_token_ids`)."""
+        return prompts.prompt_token_ids(
+            self.tokenizer,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            messages=messages,
+        )
 
     def _arrival_time(self) -> float:
         """Wall-clock seconds, strictly increasing per front end, so that the priority policy's

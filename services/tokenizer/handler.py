@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from parkade.schemas import (
     AbortRequest,
     EngineRequest,
+    ErrorKind,
     FinishReason,
     FinishRequest,
     GeneratedBatch,
@@ -84,8 +85,12 @@ def tokens_out(event: TokenEvent, headers: Headers) -> Outgoing:
     return Outgoing(topics.TOKENS, event, event.request_id, headers, topics.reply_topic(headers))
 
 
-def error_event(request_id: str, message: str, headers: Headers = (), index: int = 0) -> Outgoing:
-    event = TokenEvent(request_id=request_id, index=index, finish_reason=FinishReason.ERROR, error=message)
+def error_event(
+    request_id: str, message: str, kind: ErrorKind, headers: Headers = (), index: int = 0
+) -> Outgoing:
+    event = TokenEvent(
+        request_id=request_id, index=index, finish_reason=FinishReason.ERROR, error=message, error_kind=kind
+    )
     return tokens_out(event, headers)
 
 
@@ -100,6 +105,7 @@ def token_event(request_id: str, update: StreamUpdate) -> TokenEvent:
         stop_reason=update.stop_reason,
         usage=update.usage,
         error=update.error,
+        error_kind=update.error_kind,
     )
 
 
@@ -152,20 +158,21 @@ class TokenizerHandler:
             if source is None or open_.source == source:
                 return []  # a redelivered request
             error = f"request id {request_id!r} is in use by a live request"
-            return [error_event(request_id, error, headers)]
+            return [error_event(request_id, error, ErrorKind.INVALID_REQUEST, headers)]
         named = next((v for k, v in headers if k == topics.REPLY_TOPIC), None)
         if named is not None and topics.reply_topic(headers) is None:
-            return [error_event(request_id, f"invalid reply-topic header {named[:300]!r}", headers)]
+            error = f"invalid reply-topic header {named[:300]!r}"
+            return [error_event(request_id, error, ErrorKind.INVALID_REQUEST, headers)]
         if request_id in self.finished:
             if source is None or self.finished.get(request_id) == source:
                 return []  # a redelivered request
             error = f"request id {request_id!r} was used by a request that ended recently; use a fresh id"
-            return [error_event(request_id, error, headers)]
+            return [error_event(request_id, error, ErrorKind.INVALID_REQUEST, headers)]
         try:
             request, stream = self.frontend.make_request_from(message)
         except Exception as error:  # a bad prompt or chat template fails this request only
             self.finished.add(request_id, source)
-            return [error_event(request_id, str(error), headers)]
+            return [error_event(request_id, str(error), ErrorKind.INVALID_REQUEST, headers)]
         open_ = self.streams[request_id] = _Open(stream, headers, source, self.generated_position)
         orphan = self.orphans.pop(request_id, None)
         if orphan is None:
@@ -217,7 +224,7 @@ class TokenizerHandler:
             reason = "the tokenizer lost this request's state (restarted)"
             finish = FinishRequest(request_id=request_id, reason=FinishReason.ABORT)
             index = orphan.events[0].index if orphan.events else 0
-            out.append(error_event(request_id, reason, index=index))
+            out.append(error_event(request_id, reason, ErrorKind.UNAVAILABLE, index=index))
             out.append(Outgoing(topics.TOKENIZED, finish, request_id))
         return out
 
@@ -254,7 +261,13 @@ class TokenizerHandler:
             self.finished.add(event.request_id)
             finish = FinishRequest(request_id=event.request_id, reason=FinishReason.ABORT)
             return [
-                error_event(event.request_id, f"the tokenizer failed on its tokens: {error}", headers, index),
+                error_event(
+                    event.request_id,
+                    f"the tokenizer failed on its tokens: {error}",
+                    ErrorKind.INTERNAL,
+                    headers,
+                    index,
+                ),
                 Outgoing(topics.TOKENIZED, finish, event.request_id, headers),
             ]
 
@@ -271,6 +284,7 @@ class TokenizerHandler:
                 error_event(
                     request_id,
                     "the scheduler restarted and lost this request",
+                    ErrorKind.UNAVAILABLE,
                     open_.headers,
                     open_.stream.next_index,
                 )
@@ -316,7 +330,8 @@ class TokenizerHandler:
         if isinstance(message, EngineRequest):
             if open_ is not None:
                 self._close(request_id)
-            return [error_event(request_id, f"the request could not be forwarded: {error}", out.headers)]
+            error_text = f"the request could not be forwarded: {error}"  # too large for the broker
+            return [error_event(request_id, error_text, ErrorKind.INVALID_REQUEST, out.headers)]
         if message.error is not None and open_ is None:
             return []  # an error event refused: the stream is closed, nothing smaller to say
         out_: list[Outgoing] = []
@@ -325,7 +340,7 @@ class TokenizerHandler:
             finish = FinishRequest(request_id=request_id, reason=FinishReason.ABORT)
             out_.append(Outgoing(topics.TOKENIZED, finish, request_id, out.headers))
         reason = f"an event of this request could not be sent: {error}"
-        return [*out_, error_event(request_id, reason, out.headers, message.index)]
+        return [*out_, error_event(request_id, reason, ErrorKind.INTERNAL, out.headers, message.index)]
 
     def _close(self, request_id: str) -> None:
         open_ = self.streams.pop(request_id)

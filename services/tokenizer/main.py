@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from parkade.schemas import topics
+from parkade.schemas import ErrorKind, topics
 from parkade.services.bus.base import Bus, Outgoing, Record
 from parkade.services.bus.runtime import run_service, service_parser
 from parkade.services.bus.serve import dead_letter, send_all, serve
@@ -36,7 +36,8 @@ def bad_request(record: Record, error: Exception) -> list[Outgoing]:
     if not (isinstance(request_id, str) and request_id) and record.key:
         request_id = record.key.decode(errors="replace")
     if isinstance(request_id, str) and request_id:
-        out.append(error_event(request_id, f"invalid request: {error}", record.headers))
+        error_text = f"invalid request: {error}"
+        out.append(error_event(request_id, error_text, ErrorKind.INVALID_REQUEST, record.headers))
     return out
 
 
@@ -64,7 +65,8 @@ async def run(
                 log.warning("reply topic %s could not be created: %s", reply, error)
                 headers = tuple(h for h in headers if h[0] != topics.REPLY_TOPIC)
                 error_text = f"the reply topic {reply!r} could not be created: {error}"
-                return [error_event(getattr(message, "request_id", ""), error_text, headers)]
+                request_id = getattr(message, "request_id", "")
+                return [error_event(request_id, error_text, ErrorKind.INVALID_REQUEST, headers)]
         return handler.on_request(message, headers, (record.topic, record.partition, record.offset))
 
     await serve(

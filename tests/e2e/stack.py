@@ -27,6 +27,8 @@ class Up:
             self.env["KAFKA_BOOTSTRAP_SERVERS"] = broker
         self.log_path = home / "up.log"
         with self.log_path.open("w") as log:
+            if "--http-port" not in args:  # a free one: tests run stacks side by side
+                args = (*args, "--http-port", "0")
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "parkade.cli", "up", *args],
                 env=self.env,

@@ -7,6 +7,10 @@ look at the scheduler's block pool; `test_up.py` runs them as separate processes
 from __future__ import annotations
 
 import asyncio
+import os
+import pathlib
+import re
+import shutil
 import subprocess
 import sys
 import uuid
@@ -32,6 +36,7 @@ OPENINGS = [
     "Mom said",
 ]
 ENGINE = dict(max_model_len=256, block_size=16)
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run_with_pipeline(bootstrap: str, body, **engine_kwargs):
@@ -421,3 +426,51 @@ def test_json_and_msgpack_requests_from_a_plain_kafka_client(bootstrap_servers):
     ((is_json, error),) = events["bad1"]
     assert is_json and error["finish_reason"] == "error" and "invalid request" in error["error"]
     assert [r.value for r in letters] == [b"{not json"]
+
+
+def _readme_kcat_lines() -> list[str]:
+    """The README's kcat block, line by line (a line ending in `|` goes on on the next)."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", readme, re.S)
+    (block,) = [b for b in blocks if "kcat -P" in b]
+    return [line for line in block.replace("|\n", "| ").splitlines() if line.strip()]
+
+
+def test_the_readmes_kcat_commands_stream_a_json_request(bootstrap_servers):
+    """kcat (librdkafka, not Python) runs the README's lines as written, topic names aside: the
+    request it produces is answered with JSON events carrying the in-process engine's text."""
+    import json
+
+    assert shutil.which("kcat"), "kcat is missing: `make test` installs Debian's kcat where it can"
+    export, produce, consume = _readme_kcat_lines()
+    assert export.startswith("export KAFKA_BOOTSTRAP_SERVERS=")
+    expected = LLM(STORIES, dtype="float32", **ENGINE).generate(
+        ["Once upon a time"], SamplingParams(temperature=0, max_tokens=32)
+    )[0].outputs[0]
+    venv = str(pathlib.Path(sys.executable).parent.parent)
+
+    async def shell(line: str) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            "bash", "-c", f"set -eo pipefail; source scripts/kcat-env.sh; {line}", cwd=ROOT,
+            env={**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers, "VENV": venv},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, (line, err.decode())
+        return out.decode()
+
+    async def body(pipeline, prefix):
+        await shell(produce.replace("-t parkade.", f"-t {prefix}"))
+        for _ in range(120):  # the consume line exits at the end of what is written so far
+            events = [json.loads(line.split(" ", 1)[1]) for line in (await shell(
+                consume.replace("-t parkade.", f"-t {prefix}"))).splitlines()]  # fmt: skip
+            if events and events[-1]["finish_reason"] is not None:
+                return events
+            await asyncio.sleep(0.5)
+        raise AssertionError("the README's kcat request was never finished")
+
+    events = run_with_pipeline(bootstrap_servers, body)
+    assert "".join(e["text"] for e in events) == expected.text
+    assert [t for e in events for t in e["token_ids"]] == expected.token_ids
+    assert events[-1]["finish_reason"] == "length"
+    assert events[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 32, "cached_tokens": 0}

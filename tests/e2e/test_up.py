@@ -28,11 +28,27 @@ def _run_and_stop(up: Up, prompt: str, *args: str) -> subprocess.CompletedProces
     finally:
         code = up.stop()
     assert code == 0, f"parkade up exit code {code}:\n{up.output()}"
-    assert set(state["pids"]) == {"broker", "tokenizer", "scheduler", "executor"}
+    assert set(state["pids"]) == {"broker", "tokenizer", "scheduler", "executor", "gateway"}
     left = [name for name, pid in state["pids"].items() if running(pid)]
     assert not left, f"still running after parkade up exited: {left}"
     assert not (up.home / "up.json").exists()
     return result
+
+
+def _ask_the_gateway(url: str):
+    """`parkade up`'s gateway: /health once the services heartbeat, then one completion."""
+    import httpx
+    import openai
+
+    deadline = time.monotonic() + 30
+    while (health := httpx.get(url.removesuffix("/v1") + "/health")).status_code != 200:
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.5)
+    client = openai.OpenAI(base_url=url, api_key="unused")
+    completion = client.completions.create(
+        model="stories260K", prompt="Once upon a time", max_tokens=20, temperature=0
+    )
+    return health.json(), completion
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -47,9 +63,12 @@ def test_up_serves_the_shipped_model_and_hands_each_service_its_flags(tmp_path):
         state = up.wait_ready()
         commands = {name: _cmdline(pid) for name, pid in state["pids"].items() if name != "broker"}
         result = up.generate("Once upon a time", "--temperature", "0", "--max-tokens", "20")
+        health, completion = _ask_the_gateway(state["gateway_url"])
     finally:
         code = up.stop()
     assert code == 0, up.output()
+    assert health == {"status": "ok", "broker": True, "services_missing": []}
+    assert completion.choices[0].text == result.stdout.removeprefix("Once upon a time").rstrip("\n")
     executor, scheduler = " ".join(commands["executor"]), " ".join(commands["scheduler"])
     assert "--block-size 8 --max-model-len 256" in executor and "--max-num-seqs" not in executor
     assert "--max-num-seqs 8" in scheduler and "--scheduling-policy priority" in scheduler

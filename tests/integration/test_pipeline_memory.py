@@ -70,6 +70,7 @@ def test_overload_refuses_the_excess_at_once_and_leaves_no_state_behind():
     assert len(done) + len(refused) == 60 and len(done) >= options.max_waiting_requests and refused
     for events in refused:
         assert len(events) == 1 and events[0].error.startswith("overloaded: ")
+        assert events[0].error_kind == "overloaded"  # the gateway answers 429
     assert all(sum(len(e.token_ids) for e in r) == 8 for r in done)
     tokenizer, scheduler = pipeline.tokenizer, pipeline.scheduler
     assert not tokenizer.streams and not tokenizer.orphans

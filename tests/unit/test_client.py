@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from parkade import client as client_module
 from parkade.client import Client, PipelineGoneError
 from parkade.schemas import AbortRequest, FinishReason, TokenEvent, topics
 from parkade.services.bus import MemoryBus
+from parkade.services.bus import client as client_module
 
 PREFIX = "t."
 TOKENS = topics.topic_name(topics.TOKENS, PREFIX)

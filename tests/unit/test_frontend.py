@@ -3,6 +3,7 @@ stream of what a client is shown (detokenization, stop strings, redelivery, usag
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -30,6 +31,16 @@ def test_prompt_forms_become_the_same_request(frontend):
         prompt_fields({"text": "x"})
 
 
+def test_the_shipped_models_chat_template_continues_the_last_message(frontend):
+    """stories260K is a story model: Parkade's template is BOS and the contents, so that a chat
+    continues its text exactly as a completion of that text does."""
+    chat = [ChatMessage(role="system", content="A story."), ChatMessage(role="user", content="Once upon")]
+    request, _ = frontend.make_request("c", messages=chat)
+    assert request.prompt_token_ids == tuple(
+        frontend.make_request("p", prompt="A story.\nOnce upon")[0].prompt_token_ids
+    )
+
+
 def test_arrival_times_are_wall_clock_and_strictly_increasing(frontend):
     import time
 
@@ -47,8 +58,12 @@ def test_requests_that_cannot_run_are_refused_with_the_reason(frontend):
     frontend.make_request("x", prompt_token_ids=[5] * 512)
     with pytest.raises(ValueError, match="has 1048577 tokens, more than the model's max_model_len=512"):
         frontend.make_request("x", prompt_token_ids=[5] * 1_048_577)
-    with pytest.raises(ValueError, match="chat template"):  # stories260K has none
-        frontend.make_request("x", messages=[ChatMessage(role="user", content="hi")])
+    without_template = FrontEnd(
+        copy.deepcopy(frontend.tokenizer), vocab_size=512, eos_token_ids=(2,), max_model_len=512
+    )
+    without_template.tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        without_template.make_request("x", messages=[ChatMessage(role="user", content="hi")])
     bare = FrontEnd(None, vocab_size=512, eos_token_ids=(2,))
     with pytest.raises(ValueError, match="needs a tokenizer"):
         bare.make_request("x", prompt="Once")

@@ -12,6 +12,7 @@ from parkade.schemas import (
     AbortRequest,
     ChatMessage,
     EngineRequest,
+    ErrorKind,
     ExecutorAnnouncement,
     FinishReason,
     FinishRequest,
@@ -63,10 +64,11 @@ def test_tokenizer_handler_is_idempotent_and_reports_errors(stories_frontend, st
     assert handler.on_request(AbortRequest(request_id="r")) == []  # abort after the end: nothing
     (bad,) = handler.on_request(GenerateRequest(request_id="big", prompt_token_ids=(1, 999)))
     assert bad.message.finish_reason == "error" and "[0, 512)" in bad.message.error
+    assert bad.message.error_kind == ErrorKind.INVALID_REQUEST  # the gateway answers 400
     (chat,) = handler.on_request(
         GenerateRequest(request_id="c", messages=(ChatMessage(role="user", content="hi"),))
     )
-    assert chat.message.finish_reason == "error"  # stories260K has no chat template
+    assert chat.message.prompt_token_ids == tuple(stories_tokenizer.encode("hi"))  # Parkade's template
 
 
 def test_a_steps_batch_of_events_becomes_one_token_event_each_and_a_redelivery_nothing(

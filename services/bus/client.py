@@ -1,0 +1,237 @@
+"""A client of the requests and tokens topics: submit generate requests, stream their events.
+
+The library under `parkade.client.Client` (which finds the broker) and the HTTP gateway.
+
+Each client has a reply topic of its own (`<prefix>tokens.<random>`, named in every request's
+`reply-topic` header), so that its reading cost follows its own traffic; with
+`own_reply_topic=False` it reads the shared tokens topic instead (every client sees every event
+and keeps those of its own requests), from its end before it sends anything. An event
+whose trace context (`traceparent` header) is not its request's belongs to another request with
+the same id, and is not its stream's.
+
+A stream never waits forever: it ends with `PipelineGoneError` when the broker stops answering
+(probed whenever no record came for `PROBE_S`), or when no event of the request came for
+`idle_timeout_s` (by then a live pipeline would have answered, if only with an error), and with
+`TimeoutError` past its own `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from parkade.schemas import AbortRequest, ChatMessage, GenerateRequest, SamplingParams, TokenEvent, topics
+from parkade.services.bus.base import Bus, Outgoing, RecordRejected
+from parkade.services.bus.serve import send_all
+
+log = logging.getLogger(__name__)
+
+# Seconds without a record after which the client asks the broker whether it is still there.
+PROBE_S = 2.0
+# Seconds without an event of an open request after which its stream ends (and the request is
+# cancelled): longer than the scheduler takes to declare an executor lost (15 s), to give up
+# waiting for one (60 s) and to void a step without an answer (60 s). A request that waits longer
+# than this in a deep queue ends the same way: pass a larger `idle_timeout_s` for such loads.
+DEFAULT_IDLE_TIMEOUT_S = 90.0
+
+
+class PipelineGoneError(ConnectionError):
+    """The broker stopped answering, or the pipeline stopped answering for a request."""
+
+
+@dataclass
+class _Stream:
+    traceparent: bytes
+    queue: asyncio.Queue[TokenEvent | BaseException] = field(default_factory=asyncio.Queue)
+
+
+def new_traceparent() -> bytes:
+    """A W3C trace context for a new request (version 00, sampled)."""
+    return f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-01".encode()
+
+
+class RequestClient:
+    def __init__(
+        self,
+        bus: Bus,
+        topic_prefix: str | None = None,
+        *,
+        bootstrap_servers: str | None = None,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        own_reply_topic: bool = True,
+    ) -> None:
+        """Talk to the pipeline over `bus` (`bootstrap_servers` only names it in errors)."""
+        self.bus = bus
+        self.bootstrap_servers = bootstrap_servers
+        self.prefix = topic_prefix or topics.DEFAULT_PREFIX
+        self.idle_timeout_s = idle_timeout_s
+        self._streams: dict[str, _Stream] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._closing = False
+        self._decoder = topics.TopicDecoder(topics.TOKENS)
+        shared = topics.topic_name(topics.TOKENS, self.prefix)
+        self.reply_topic = f"{shared}.{uuid.uuid4().hex[:12]}" if own_reply_topic else None
+
+    async def start(self) -> None:
+        if self.reply_topic is not None:
+            await self.bus.create_topics([self.reply_topic], single_partition=False)
+        topic = self.reply_topic or topics.topic_name(topics.TOKENS, self.prefix)
+        consumer = await self.bus.consumer([topic], None, from_end=True)
+        self._reader = asyncio.create_task(self._read(consumer))
+
+    async def _read(self, consumer: Any) -> None:
+        loop = asyncio.get_running_loop()
+        last_record = loop.time()
+        try:
+            while not self._closing:
+                records = await consumer.getmany(timeout_ms=100)
+                if records:
+                    last_record = loop.time()
+                elif self._streams and loop.time() - last_record > PROBE_S:
+                    # aiokafka retries a lost connection without end: ask the broker directly.
+                    await self.bus.ping(timeout_s=PROBE_S)
+                    last_record = loop.time()
+                for record in records:
+                    try:
+                        event = self._decoder.decode(record.value, record.header(topics.CONTENT_TYPE))
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        continue  # not ours to judge: the services write this topic
+                    stream = self._streams.get(event.request_id)
+                    traceparent = record.header("traceparent")
+                    if stream is not None and traceparent in (None, stream.traceparent):
+                        stream.queue.put_nowait(event)
+        except Exception as error:  # a broken connection ends every open stream, never a hang
+            gone = PipelineGoneError(f"lost the broker at {self.bootstrap_servers}: {error}")
+            for stream in self._streams.values():
+                stream.queue.put_nowait(gone)
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                await consumer.stop()
+
+    async def stop(self) -> None:
+        """Close; never raises (the broker may be gone already)."""
+        if self._reader is not None:
+            # NOTE: the flag as well as the cancel: on Python 3.11, a cancel that lands as
+            # asyncio.wait_for's inner wait completes is swallowed, and the loop would go on.
+            self._closing = True
+            self._reader.cancel()
+            await asyncio.wait({self._reader}, timeout=PROBE_S)
+            if self._reader.done() and not self._reader.cancelled():
+                self._reader.exception()  # retrieved: it was reported to the streams
+        try:
+            await asyncio.wait_for(self.bus.close(), PROBE_S)  # bounded as `cancel`
+        except Exception as error:
+            log.debug("closing the client's bus: %s", error)
+
+    async def __aenter__(self) -> RequestClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def submit(
+        self,
+        *,
+        prompt: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Send a generate request; its events are kept for `stream(request_id)`. A request id
+        this client is streaming already is refused (ValueError)."""
+        assert self._reader is not None, "start the client first (async with Client(...))"
+        if self._reader.done():  # it lost the broker: nothing sent now could be read back
+            raise PipelineGoneError(f"lost the broker at {self.bootstrap_servers}; start a new client")
+        if request_id is not None and request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is being streamed by this client already")
+        request = GenerateRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt=prompt,
+            prompt_token_ids=tuple(prompt_token_ids) if prompt_token_ids is not None else None,
+            messages=tuple(ChatMessage(**m) for m in messages) if messages is not None else None,
+            sampling_params=sampling_params or SamplingParams(),
+            priority=priority,
+        )
+        traceparent = new_traceparent()
+        self._streams[request.request_id] = _Stream(traceparent)
+        headers: tuple[tuple[str, bytes], ...] = (("traceparent", traceparent),)
+        if self.reply_topic is not None:
+            headers += ((topics.REPLY_TOPIC, self.reply_topic.encode()),)
+        try:
+            await send_all(
+                self.bus, [Outgoing(topics.REQUESTS, request, request.request_id, headers)], self.prefix
+            )
+        except RecordRejected:  # too large for the broker: the caller's to fix
+            self._streams.pop(request.request_id, None)
+            raise
+        except Exception as error:
+            self._streams.pop(request.request_id, None)
+            raise PipelineGoneError(f"the request could not be sent: {error}") from error
+        return request.request_id
+
+    async def stream(self, request_id: str, timeout_s: float | None = None) -> AsyncIterator[TokenEvent]:
+        """The request's events, in order, until the one with a finish_reason. Leaving early
+        (break, cancellation, `timeout_s` passed: TimeoutError) aborts the request, as vLLM's
+        streaming APIs do. PipelineGoneError when nothing answers any more (see the module)."""
+        queue = self._streams[request_id].queue
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        finished = False
+        next_index = 0
+        try:
+            while not finished:
+                event = await self._next_event(queue, request_id, deadline)
+                if isinstance(event, BaseException):
+                    raise event
+                if event.token_ids and event.index < next_index:
+                    continue  # a duplicate (at-least-once delivery)
+                next_index = event.index + len(event.token_ids)
+                finished = event.finish_reason is not None
+                yield event
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # also after PipelineGoneError: a pipeline that is only slow stops it
+                await self.cancel(request_id)  # (bounded: no wait where nothing answers)
+
+    async def _next_event(
+        self, queue: asyncio.Queue[TokenEvent | BaseException], request_id: str, deadline: float | None
+    ) -> TokenEvent | BaseException:
+        """The next event, within the idle timeout and the request's deadline."""
+        loop = asyncio.get_running_loop()
+        wait = self.idle_timeout_s if deadline is None else min(self.idle_timeout_s, deadline - loop.time())
+        try:
+            return await asyncio.wait_for(queue.get(), max(wait, 0.0))
+        except TimeoutError:
+            if deadline is not None and loop.time() >= deadline:
+                raise TimeoutError(f"request {request_id} passed its timeout") from None
+            raise PipelineGoneError(
+                f"no event for request {request_id} in {self.idle_timeout_s:g} s: is the pipeline running?"
+            ) from None
+
+    async def generate(self, *, timeout_s: float | None = None, **kwargs: Any) -> AsyncIterator[TokenEvent]:
+        """`submit` then `stream`: the arguments of `submit`, and `stream`'s `timeout_s`."""
+        request_id = await self.submit(**kwargs)
+        async for event in self.stream(request_id, timeout_s):
+            yield event
+
+    async def cancel(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish_reason "abort". Never raises: on the
+        way out, a broker that is gone has nothing to abort."""
+        try:
+            abort = Outgoing(topics.REQUESTS, AbortRequest(request_id=request_id), request_id)
+            # Bounded: a producer retries a lost broker for its whole request timeout (40 s).
+            await asyncio.wait_for(send_all(self.bus, [abort], self.prefix), PROBE_S)
+        except Exception as error:
+            log.debug("could not cancel request %s: %s", request_id, error)

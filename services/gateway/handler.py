@@ -1,0 +1,155 @@
+"""The gateway's core, without I/O: one served model, the checks a request passes before it
+reaches the pipeline, and the text of a token for logprobs.
+
+    handler.open(chat, body) -> Opened: the checked request, the generate requests to send (one
+                                         per prompt) and a Choice to gather each one's events
+
+A request is refused here (GatewayError, in OpenAI's shape) when its body or a parameter is
+invalid (400), it names another model (404), or a prompt cannot run on the model (too long for
+it, ids outside its vocabulary: 400), so that such a request never travels through Kafka.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from parkade.models import DEFAULT_MODEL
+from parkade.services.common import prompts
+from parkade.services.common.model_config import ModelConfig
+from parkade.services.common.model_files import MODEL_METADATA, check_model_folder, load_tokenizer
+from parkade.services.gateway.protocol import (
+    Answer,
+    Choice,
+    GatewayError,
+    OpenAIRequest,
+    Prompt,
+    parse_chat,
+    parse_completion,
+)
+
+# Kafka's default record size limit is 1 MiB: a body near it could not travel as a request.
+DEFAULT_MAX_BODY_BYTES = 1_000_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayOptions:
+    model: str | Path = field(default=DEFAULT_MODEL, metadata=MODEL_METADATA)
+    tokenizer: str | Path | None = field(
+        default=None, metadata={"help": "folder of the tokenizer (tokenizer.json); unset: the model's"}
+    )
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "the model's name in the API; unset: the model folder's name"}
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on (0.0.0.0: every one)"})
+    http_port: int = field(default=8000, metadata={"help": "HTTP port (0: a free one)"})
+    max_body_bytes: int = field(
+        default=DEFAULT_MAX_BODY_BYTES, metadata={"help": "larger request bodies are refused (413)"}
+    )
+
+
+@dataclass
+class Opened:
+    """A checked request, ready to send: `submits[i]` is choice i's `RequestClient.submit` keywords."""
+
+    request: OpenAIRequest
+    answer: Answer
+    submits: list[dict[str, Any]]
+    choices: list[Choice]
+
+
+class GatewayHandler:
+    def __init__(
+        self, tokenizer: Any, *, model_name: str, root: str, vocab_size: int, max_model_len: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.root = root
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.created = int(time.time())
+        self._anchor = tokenizer.encode("a", add_special_tokens=False)[-1]
+        self._anchor_text = tokenizer.decode([self._anchor])
+        self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
+
+    @classmethod
+    def from_options(cls, options: GatewayOptions) -> GatewayHandler:
+        """The model folder's config and tokenizer; ValueError for a folder that cannot serve."""
+        check_model_folder(options.model, weights=False, tokenizer=False)
+        config = ModelConfig.from_pretrained(options.model)
+        return cls(
+            load_tokenizer(options.tokenizer or options.model),
+            model_name=options.served_model_name or Path(options.model).name,
+            root=str(options.model),
+            vocab_size=config.vocab_size,
+            max_model_len=config.max_position_embeddings,
+        )
+
+    def models(self) -> dict[str, Any]:
+        """`GET /v1/models`."""
+        model = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "parkade",
+            "root": self.root,
+            "parent": None,
+            "max_model_len": self.max_model_len,
+        }
+        return {"object": "list", "data": [model]}
+
+    def open(self, chat: bool, body: bytes) -> Opened:
+        """Check a `/v1/chat/completions` (chat) or `/v1/completions` body; GatewayError if it
+        cannot run."""
+        request = parse_chat(body) if chat else parse_completion(body)
+        if request.model is not None and request.model != self.model_name:
+            raise GatewayError(
+                404, f"The model `{request.model}` does not exist.", "model", "model_not_found"
+            )
+        answer = Answer.new(chat, self.model_name)
+        submits, choices = [], []
+        for index, prompt in enumerate(request.prompts):
+            num_prompt_tokens = self._num_prompt_tokens(prompt, "messages" if chat else "prompt")
+            submits.append(
+                {
+                    **_prompt_fields(prompt),
+                    "sampling_params": request.params,
+                    "priority": request.priority,
+                    # Unique per HTTP request; the index tells a choice's events apart.
+                    "request_id": f"{answer.id}-{index}" if len(request.prompts) > 1 else answer.id,
+                }
+            )
+            choices.append(Choice(index, num_prompt_tokens))
+        return Opened(request, answer, submits, choices)
+
+    def _num_prompt_tokens(self, prompt: Prompt, param: str) -> int:
+        try:
+            token_ids = prompts.prompt_token_ids(
+                self.tokenizer,
+                vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
+                prompt=prompt.text,
+                prompt_token_ids=prompt.token_ids,
+                messages=prompt.messages,
+            )
+        except Exception as error:  # a template may raise anything on a chat it refuses
+            raise GatewayError(400, str(error), param) from None
+        return len(token_ids)
+
+    def _token_text(self, token_id: int) -> str:
+        # Decoded after another token: alone, a SentencePiece-style tokenizer drops the leading
+        # space that the token carries in a text.
+        return self.tokenizer.decode([self._anchor, token_id])[len(self._anchor_text) :]
+
+
+def _prompt_fields(prompt: Prompt) -> dict[str, Any]:
+    if prompt.messages is not None:
+        return {"messages": [msgspec.structs.asdict(m) for m in prompt.messages]}
+    if prompt.token_ids is not None:
+        return {"prompt_token_ids": list(prompt.token_ids)}
+    return {"prompt": prompt.text}

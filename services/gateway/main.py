@@ -1,0 +1,492 @@
+"""The gateway service: `parkade gateway [--http-port 8000]`, the OpenAI HTTP API over the Kafka
+pipeline. Its only I/O edge (HTTP, Kafka, signals, environment).
+
+    POST /v1/completions, /v1/chat/completions   streaming (SSE) or not
+    GET  /v1/models
+    GET  /health     200 once the broker answers and the tokenizer, scheduler and executor
+                     heartbeat (the instances topic); 503 naming what is missing
+    GET  /metrics    the gateway's own counters and histograms (Prometheus text)
+
+A Kafka client like any other: one `RequestClient` for all of its HTTP requests, with a reply
+topic of its own. A request's status comes from its first event, so a request the pipeline
+refuses is answered with a status (400 invalid, 429 overloaded, 503 unavailable, 500 failed)
+even when it asked for a stream; an error after the first token ends the stream with an error
+chunk. A client that disconnects aborts its request, which frees its KV blocks.
+
+`--api-key` (or $PARKADE_API_KEY) guards `/v1/*` with a bearer token, as vLLM's server does;
+`/health` and `/metrics` stay open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+import uvicorn
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from parkade.schemas import FinishReason, InstanceHeartbeat, TokenEvent, topics
+from parkade.services import PIPELINE
+from parkade.services.bus.base import RecordRejected
+from parkade.services.bus.client import PipelineGoneError, RequestClient
+from parkade.services.bus.runtime import service_parser
+from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
+from parkade.services.gateway.handler import GatewayHandler, GatewayOptions, Opened
+from parkade.services.gateway.metrics import GatewayMetrics
+from parkade.services.gateway.protocol import GatewayError, pipeline_error
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FLAGS = dataclass_flags(GatewayOptions)
+# A service is alive while its heartbeats (one a second) keep coming.
+HEARTBEAT_STALE_S = 5.0
+BROKER_PROBE_S = 2.0
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer started."""
+
+
+class Health:
+    """What `/health` reports: the services' last heartbeats and whether the broker answers."""
+
+    def __init__(self, client: RequestClient) -> None:
+        self.client = client
+        self.last_heartbeat: dict[str, float] = {}
+        self._broker_checked = (-1e9, False)
+
+    async def follow(self) -> None:
+        """Read heartbeats from the instances topic, from its end, until cancelled."""
+        bus = self.client.bus
+        consumer = await bus.consumer(
+            [topics.topic_name(topics.INSTANCES, self.client.prefix)], None, from_end=True
+        )
+        decoder = topics.TopicDecoder(topics.INSTANCES)
+        try:
+            while True:
+                for record in await consumer.getmany(timeout_ms=500):
+                    with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                        message = decoder.decode(record.value, record.header(topics.CONTENT_TYPE))
+                        if isinstance(message, InstanceHeartbeat):
+                            self.last_heartbeat[message.service] = time.monotonic()
+        finally:
+            with contextlib.suppress(Exception):
+                await consumer.stop()
+
+    async def report(self) -> tuple[bool, dict[str, Any]]:
+        now = time.monotonic()
+        checked_at, broker_ok = self._broker_checked
+        if now - checked_at > 1.0:  # one probe a second at most, however often /health is asked
+            try:
+                await self.client.bus.ping(timeout_s=BROKER_PROBE_S)
+                broker_ok = True
+            except Exception:
+                broker_ok = False
+            self._broker_checked = (now, broker_ok)
+        missing = [s for s in PIPELINE if now - self.last_heartbeat.get(s, -1e9) > HEARTBEAT_STALE_S]
+        ok = broker_ok and not missing
+        detail = {"status": "ok" if ok else "unavailable", "broker": broker_ok, "services_missing": missing}
+        return ok, detail
+
+
+def error_response(error: GatewayError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) past `limit` bytes, by its length or as it arrives."""
+    too_large = GatewayError(413, f"the request body is larger than {limit} bytes")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def until_disconnected(request: Request) -> None:
+    """Return when the HTTP client disconnects (the body is read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`, or ClientGone once the client disconnects (and `work` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+class Choices:
+    """The events of one HTTP request's choices (one pipeline request each), merged in arrival
+    order. `close` aborts what is unfinished (each `RequestClient.stream` does on leaving)."""
+
+    def __init__(self, client: RequestClient, request_ids: list[str]) -> None:
+        self.queue: asyncio.Queue[tuple[int, TokenEvent | Exception]] = asyncio.Queue()
+        self.open = len(request_ids)
+        self.tasks = [
+            asyncio.ensure_future(self._pump(i, client.stream(request_id)))
+            for i, request_id in enumerate(request_ids)
+        ]
+
+    async def _pump(self, index: int, stream: AsyncIterator[TokenEvent]) -> None:
+        try:
+            async for event in stream:
+                self.queue.put_nowait((index, event))
+        except Exception as error:  # PipelineGoneError, TimeoutError: the request's answer
+            self.queue.put_nowait((index, error))
+
+    async def next(self) -> tuple[int, TokenEvent | Exception]:
+        index, item = await self.queue.get()
+        if isinstance(item, Exception) or item.finish_reason is not None:
+            self.open -= 1
+        return index, item
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _failure(item: TokenEvent | Exception) -> GatewayError | None:
+    """The answer to a choice's item that ends it with an error; None for a good event."""
+    if isinstance(item, PipelineGoneError):
+        return GatewayError(503, str(item))
+    if isinstance(item, TimeoutError):
+        return GatewayError(504, str(item) or "the request timed out")
+    if isinstance(item, Exception):
+        return GatewayError(500, f"{type(item).__name__}: {item}")
+    if item.finish_reason is FinishReason.ERROR or item.error is not None:
+        return pipeline_error(item)
+    return None
+
+
+class Gateway:
+    def __init__(
+        self,
+        handler: GatewayHandler,
+        client: RequestClient,
+        health: Health,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+    ) -> None:
+        self.handler = handler
+        self.client = client
+        self.health = health
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.metrics = GatewayMetrics()
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                self._route("/v1/completions", self.completions, "POST"),
+                self._route("/v1/chat/completions", self.chat_completions, "POST"),
+                self._route("/v1/models", self.models, "GET"),
+                self._route("/health", self.health_check, "GET"),
+                self._route("/metrics", self.metrics_text, "GET"),
+            ]
+        )
+
+    def _route(self, path: str, endpoint: Callable[[Request], Awaitable[Response]], method: str) -> Route:
+        """`endpoint` behind the API key (on /v1/*), counted by its status."""
+        guarded = path.startswith("/v1")
+
+        async def answer(request: Request) -> Response:
+            if guarded and not self._authorized(request):
+                response: Response = error_response(
+                    GatewayError(401, "invalid or missing API key", code="invalid_api_key")
+                )
+            else:
+                response = await endpoint(request)
+            self.metrics.requests.labels(path, str(response.status_code)).inc()
+            return response
+
+        return Route(path, answer, methods=[method])
+
+    def _authorized(self, request: Request) -> bool:
+        if self.api_key is None:
+            return True
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(self.handler.models())
+
+    async def health_check(self, request: Request) -> Response:
+        ok, detail = await self.health.report()
+        return JSONResponse(detail, status_code=200 if ok else 503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=True)
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        arrival = time.monotonic()
+        try:
+            opened = self.handler.open(chat, await read_body(request, self.max_body_bytes))
+        except GatewayError as error:
+            return error_response(error)
+        self.metrics.prompt_tokens.inc(sum(c.num_prompt_tokens for c in opened.choices))
+        try:
+            request_ids = [await self.client.submit(**submit) for submit in opened.submits]
+        except RecordRejected as error:
+            return error_response(GatewayError(413, f"the request is too large for the broker: {error}"))
+        except (PipelineGoneError, ValueError) as error:
+            return error_response(GatewayError(503, str(error)))
+        choices = Choices(self.client, request_ids)
+        self.metrics.running.inc()
+        handed_over = False
+        try:
+            # Until every choice has its first event: a refusal still gets its status.
+            first = await unless_disconnected(request, self._first_events(opened, choices, arrival))
+            if opened.request.stream:
+                handed_over = True
+                return EventSourceResponse(self._sse(opened, choices, first, arrival), ping=15)
+            for index, event in first:
+                opened.choices[index].add(event)  # first events are never errors here
+            await unless_disconnected(request, self._rest(opened, choices, arrival))
+            answer, token_text = opened.answer, self.handler.token_text
+            body = answer.chat_response if chat else answer.completion_response
+            return JSONResponse(body(opened.choices, token_text))
+        except GatewayError as error:
+            return error_response(error)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; the requests are aborted below
+        finally:
+            if not handed_over:
+                await self._finish(choices)
+
+    async def _finish(self, choices: Choices) -> None:
+        # Shielded: a cancelled HTTP task must still abort its requests (bounded by the client).
+        with anyio.CancelScope(shield=True):
+            await choices.close()
+        self.metrics.running.dec()
+
+    async def _first_events(
+        self, opened: Opened, choices: Choices, arrival: float
+    ) -> list[tuple[int, TokenEvent]]:
+        """Each choice's events until its first one; GatewayError if one fails first."""
+        buffered: list[tuple[int, TokenEvent]] = []
+        started: set[int] = set()
+        while len(started) < len(opened.choices):
+            index, item = await choices.next()
+            failure = _failure(item)
+            if failure is not None:
+                raise failure
+            assert isinstance(item, TokenEvent)
+            self._observe(opened, index, item, arrival)
+            buffered.append((index, item))
+            started.add(index)
+        return buffered
+
+    async def _rest(self, opened: Opened, choices: Choices, arrival: float) -> None:
+        while choices.open:
+            index, item = await choices.next()
+            failure = _failure(item)
+            if failure is not None:
+                raise failure
+            assert isinstance(item, TokenEvent)
+            self._observe(opened, index, item, arrival)
+            opened.choices[index].add(item)
+
+    async def _sse(
+        self, opened: Opened, choices: Choices, first: list[tuple[int, TokenEvent]], arrival: float
+    ) -> AsyncIterator[str]:
+        """The stream's `data:` payloads: chunks, the usage chunk if asked, `[DONE]`."""
+        request, answer, token_text = opened.request, opened.answer, self.handler.token_text
+        shown: set[int] = set()  # choices whose first chunk (with the role, for chat) went out
+
+        def chunk(index: int, event: TokenEvent) -> str | None:
+            choice = opened.choices[index]
+            offset = len(choice.text)
+            choice.add(event)
+            if not event.text and not event.logprobs and event.finish_reason is None and index in shown:
+                return None  # text held back (a possible stop string): nothing to show yet
+            body = answer.chunk(request.chat, choice, event, token_text, offset, index not in shown)
+            shown.add(index)
+            if request.continuous_usage:
+                body["usage"] = answer.usage_chunk(request.chat, [choice])["usage"]
+            return json.dumps(body)
+
+        try:
+            for index, event in first:
+                if (data := chunk(index, event)) is not None:
+                    yield data
+            while choices.open:
+                index, item = await choices.next()
+                failure = _failure(item)
+                if failure is not None:
+                    yield json.dumps(answer.error_chunk(failure))
+                    break
+                assert isinstance(item, TokenEvent)
+                self._observe(opened, index, item, arrival)
+                if (data := chunk(index, item)) is not None:
+                    yield data
+            else:
+                if request.include_usage:
+                    yield json.dumps(answer.usage_chunk(request.chat, opened.choices))
+            yield "[DONE]"
+        finally:
+            await self._finish(choices)
+
+    def _observe(self, opened: Opened, index: int, event: TokenEvent, arrival: float) -> None:
+        """Latency metrics, as this gateway's client sees them."""
+        now = time.monotonic()
+        choice = opened.choices[index]
+        if event.token_ids:
+            if choice.num_tokens == 0:
+                self.metrics.ttft.observe(now - arrival)
+            elif choice.last_event_at is not None:
+                gap = (now - choice.last_event_at) / len(event.token_ids)
+                for _ in event.token_ids:
+                    self.metrics.itl.observe(gap)
+            choice.last_event_at = now
+            self.metrics.generation_tokens.inc(len(event.token_ids))
+        if event.finish_reason is not None and event.finish_reason is not FinishReason.ERROR:
+            self.metrics.e2e.observe(now - arrival)
+
+
+# ---- the process -----------------------------------------------------------------------------
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # the service's own handlers stop it (`_run_until_signalled`)
+        yield
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(
+    bootstrap_servers: str,
+    prefix: str,
+    handler: GatewayHandler,
+    options: GatewayOptions,
+    *,
+    api_key: str | None,
+    stop: asyncio.Event,
+    broker_wait_s: float,
+    idempotence: bool = False,
+    ready: Callable[[str], None] = lambda url: print(f"READY gateway {url}", flush=True),
+) -> None:
+    """Serve HTTP until `stop`; `ready(url)` once it listens (`parkade up` reads the line)."""
+    from parkade.services.bus.kafka import KafkaBus, wait_for_broker
+
+    sock = listening_socket(options.host, options.http_port)  # first: a taken port fails at once
+    await wait_for_broker(bootstrap_servers, timeout_s=broker_wait_s)
+    bus = KafkaBus(bootstrap_servers, client_id="parkade-gateway", idempotence=idempotence)
+    client = RequestClient(bus, prefix, bootstrap_servers=bootstrap_servers)
+    try:
+        await bus.create_topics(topics.all_topic_names(prefix))
+        await client.start()
+        health = Health(client)
+        follow = asyncio.create_task(health.follow())
+        gateway = Gateway(handler, client, health, api_key=api_key, max_body_bytes=options.max_body_bytes)
+        config = uvicorn.Config(gateway.app(), log_level="warning", lifespan="off", timeout_keep_alive=30)
+        server = _Server(config)
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            host, port = sock.getsockname()[:2]
+            shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+            ready(f"http://{shown}:{port}/v1")
+            await asyncio.wait(
+                {serving, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+            )
+        server.should_exit = True
+        await serving
+        follow.cancel()
+    finally:
+        await client.stop()
+        sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = service_parser("gateway", __doc__)
+    add_flags(parser, FLAGS)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PARKADE_API_KEY"),
+        help="bearer token that /v1/* requires (default: $PARKADE_API_KEY; unset: none)",
+    )
+    args = parser.parse_args(argv)
+    if not args.bootstrap_servers:
+        parser.error("no broker: pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS")
+    options = GatewayOptions(**flag_values(FLAGS, args))
+    try:
+        handler = GatewayHandler.from_options(options)
+    except ValueError as error:
+        print(f"parkade gateway: {error}", file=sys.stderr)
+        return 2
+
+    from parkade.services.bus.kafka import BrokerUnreachableError
+    from parkade.services.bus.runtime import run_until_signalled
+
+    async def serve_until(stop: asyncio.Event) -> None:
+        await serve(
+            args.bootstrap_servers,
+            args.topic_prefix,
+            handler,
+            options,
+            api_key=args.api_key or None,
+            stop=stop,
+            broker_wait_s=args.broker_wait,
+            idempotence=args.idempotence,
+        )
+
+    try:
+        return run_until_signalled(serve_until)
+    except OSError as error:
+        if isinstance(error, BrokerUnreachableError):
+            print(
+                f"parkade gateway: cannot reach the broker at {args.bootstrap_servers}: {error}",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"parkade gateway: cannot listen on {options.host}:{options.http_port}: {error}",
+                file=sys.stderr,
+            )
+        return 1

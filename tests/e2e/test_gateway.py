@@ -1,0 +1,268 @@
+"""The OpenAI HTTP gateway on the real broker, driven by the official `openai` package (sync and
+async) and by raw HTTP where the SDK hides what is checked (status codes, a disconnect).
+
+The three services and the gateway run as tasks of this test's process (real KafkaBus, real
+topics, a real HTTP server on a free port), so a test can look at the scheduler's block pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import openai
+import pytest
+from hf_reference import STORIES
+from pipeline import running_pipeline
+
+from parkade import LLM, SamplingParams
+from parkade.schemas import topics
+from parkade.services.bus.kafka import KafkaBus
+from parkade.services.gateway.handler import GatewayHandler, GatewayOptions
+from parkade.services.gateway.main import serve
+from parkade.services.scheduler.config import SchedulingOptions
+
+pytestmark = pytest.mark.e2e
+
+ENGINE = dict(max_model_len=256, block_size=16)
+MODEL = "stories260K"
+PROMPTS = ["Once upon a time", "Lily and Tom", "The big dog", "One day, a girl", "Tim had a ball", "Mom said"]
+
+
+def run_with_gateway(
+    bootstrap: str, body, *, api_key: str | None = None, max_body_bytes: int = 100_000, **kw
+):
+    """asyncio.run(body(pipeline, base_url)): the services and a gateway on fresh topics."""
+    prefix = f"g{uuid.uuid4().hex[:8]}."
+
+    async def main():
+        bus = KafkaBus(bootstrap, client_id="e2e-services")
+        await bus.create_topics([topics.topic_name(t, prefix) for t in topics.ALL_TOPICS])
+        options = GatewayOptions(model=STORIES, http_port=0, max_body_bytes=100_000)
+        stop, url = asyncio.Event(), asyncio.get_running_loop().create_future()
+        try:
+            async with running_pipeline(bus, STORIES, prefix=prefix, **{**ENGINE, **kw}) as pipeline:
+                gateway = asyncio.create_task(
+                    serve(
+                        bootstrap,
+                        prefix,
+                        GatewayHandler.from_options(options),
+                        options,
+                        api_key=api_key,
+                        stop=stop,
+                        broker_wait_s=10,
+                        ready=url.set_result,
+                    )
+                )
+                await asyncio.wait({gateway, url}, return_when=asyncio.FIRST_COMPLETED)
+                try:
+                    return await asyncio.wait_for(body(pipeline, await url), 300)
+                finally:
+                    stop.set()
+                    await gateway
+        finally:
+            await bus.close()
+
+    return asyncio.run(main())
+
+
+def expected_outputs(prompts, params):
+    return [o.outputs[0] for o in LLM(STORIES, dtype="float32", **ENGINE).generate(prompts, params)]
+
+
+async def wait_idle(pipeline, timeout_s: float = 30.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        scheduler = pipeline.scheduler
+        if scheduler.scheduler is not None and not scheduler.scheduler.requests and not scheduler.in_flight:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the scheduler did not become idle")
+
+
+def test_the_openai_package_gets_the_in_process_engines_text_streaming_or_not(bootstrap_servers):
+    greedy = expected_outputs(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=24, logprobs=2))
+    stopped = expected_outputs(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=24, stop=["Lily"]))[0]
+
+    async def body(pipeline, url):
+        sync = openai.OpenAI(base_url=url, api_key="unused")
+        client = openai.AsyncOpenAI(base_url=url, api_key="unused")
+        out = {}
+        # Sync, not streaming, two prompts in one request, with logprobs.
+        out["batch"] = await asyncio.to_thread(
+            sync.completions.create, model=MODEL, prompt=PROMPTS[:2], max_tokens=24, temperature=0, logprobs=2
+        )
+        # Async chat, streaming, with usage; the shipped model's template continues the message.
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_completion_tokens=24,
+            temperature=0, stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        out["chat_chunks"] = [chunk async for chunk in stream]
+        out["chat"] = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=24, temperature=0,
+            stop=["Lily"], logprobs=True, top_logprobs=2,
+        )  # fmt: skip
+        seeded = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=1.0, seed=7)
+        out["seeded"] = [(await client.completions.create(**seeded)).choices[0].text for _ in range(2)]
+        out["other_seed"] = (await client.completions.create(**{**seeded, "seed": 8})).choices[0].text
+        # The same long prompt again: its full blocks come from the prefix cache.
+        long_prompt = " ".join(PROMPTS * 3)
+        for _ in range(2):
+            out["cached"] = await client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2)
+        stream = await client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True
+        )
+        out["completion_chunks"] = [chunk async for chunk in stream]
+        out["models"] = await client.models.list()
+        await client.close()
+        return out
+
+    out = run_with_gateway(bootstrap_servers, body)
+    batch = out["batch"]
+    assert [c.text for c in batch.choices] == [g.text for g in greedy]
+    assert [c.index for c in batch.choices] == [0, 1]
+    for choice, expected in zip(batch.choices, greedy, strict=True):
+        assert choice.finish_reason == "length"
+        assert choice.logprobs.token_logprobs == pytest.approx([lp[t].logprob for lp, t in zip(
+            expected.logprobs, expected.token_ids, strict=True)], abs=1e-4)  # fmt: skip
+        assert len(choice.logprobs.top_logprobs[0]) == 2
+        assert "".join(choice.logprobs.tokens) == choice.text
+    assert batch.usage.completion_tokens == 48 and batch.usage.total_tokens == batch.usage.prompt_tokens + 48
+
+    chunks = out["chat_chunks"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == greedy[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+    chat = out["chat"].choices[0]
+    assert chat.message.content == stopped.text and chat.finish_reason == "stop"
+    assert "".join(t.token for t in chat.logprobs.content).startswith(stopped.text)
+    assert all(len(t.top_logprobs) == 2 for t in chat.logprobs.content)
+
+    first, again = out["seeded"]
+    assert first == again and first != out["other_seed"]
+    assert out["cached"].usage.prompt_tokens_details.cached_tokens >= 16
+    assert "".join(c.choices[0].text for c in out["completion_chunks"]) == greedy[0].text
+    assert [m.id for m in out["models"].data] == [MODEL]
+
+
+def test_errors_are_answered_as_openai_clients_expect(bootstrap_servers):
+    async def body(pipeline, url):
+        seen = {}
+        client = openai.AsyncOpenAI(base_url=url, api_key="secret", max_retries=0)
+        cases = {
+            "temperature": dict(prompt="Hi", temperature=-1),
+            "max_tokens": dict(prompt="Hi", max_tokens="many"),
+            "n": dict(prompt="Hi", n=2),
+            "prompt": dict(prompt="Once " * 600),  # longer than the model's 512 positions
+        }
+        for name, kwargs in cases.items():
+            with pytest.raises(openai.BadRequestError) as error:
+                await client.completions.create(model=MODEL, **kwargs)
+            seen[name] = error.value.body
+        with pytest.raises(openai.NotFoundError) as error:
+            await client.completions.create(model="gpt-4", prompt="Hi")
+        seen["model"] = error.value.body
+        unauthorized = openai.AsyncOpenAI(base_url=url, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await unauthorized.models.list()
+        async with httpx.AsyncClient() as http:
+            root = url.removesuffix("/v1")
+            headers = {"Authorization": "Bearer secret"}
+            large = await http.post(f"{url}/completions", content=b"x" * 200_000, headers=headers)
+            no_key = await http.post(f"{url}/completions", json={"prompt": "Hi"})
+            open_paths = [(await http.get(f"{root}/{p}")).status_code for p in ("health", "metrics")]
+            metrics = (await http.get(f"{root}/metrics")).text
+            health = (await http.get(f"{root}/health")).json()
+        await client.close()
+        await unauthorized.close()
+        return seen, large, no_key, open_paths, metrics, health
+
+    seen, large, no_key, open_paths, metrics, health = run_with_gateway(
+        bootstrap_servers, body, api_key="secret"
+    )
+    assert all(body["param"] == name for name, body in seen.items()) and len(seen) == 5
+    assert "more than the model's max_model_len=512" in seen["prompt"]["message"]
+    assert large.status_code == 413 and large.json()["error"]["type"] == "invalid_request_error"
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+    # /health and /metrics need no key; the in-process services send no heartbeats, so the
+    # gateway reports them missing (a `parkade up` stack is healthy: test_up.py).
+    assert open_paths == [503, 200]
+    assert health["broker"] and health["services_missing"] == ["tokenizer", "scheduler", "executor"]
+    assert 'parkade:gateway_requests_total{endpoint="/v1/completions",status="400"} 4.0' in metrics
+
+
+def test_an_overloaded_pipeline_answers_429_and_serves_the_rest(bootstrap_servers):
+    async def body(pipeline, url):
+        async with httpx.AsyncClient(timeout=120) as http:
+
+            async def one(i):
+                request = {"prompt": f"{PROMPTS[i % 6]} {i}", "max_tokens": 16, "ignore_eos": True}
+                return await http.post(f"{url}/completions", json=request)
+
+            return await asyncio.gather(*(one(i) for i in range(24)))
+
+    options = SchedulingOptions(max_num_seqs=2, max_waiting_requests=2)
+    answers = run_with_gateway(bootstrap_servers, body, options=options)
+    codes = [a.status_code for a in answers]
+    # All arrive before a step: two wait (the bound), the rest are refused at once.
+    assert set(codes) == {200, 429} and codes.count(200) >= 2, codes
+    refused = next(a for a in answers if a.status_code == 429).json()["error"]
+    assert refused["type"] == "rate_limit_error" and refused["message"].startswith("overloaded")
+    assert all(a.json()["usage"]["completion_tokens"] == 16 for a in answers if a.status_code == 200)
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_request(bootstrap_servers):
+    async def body(pipeline, url):
+        request = {"prompt": PROMPTS[0], "max_tokens": 500, "ignore_eos": True, "stream": True}
+        async with (
+            httpx.AsyncClient(timeout=60) as http,
+            http.stream("POST", f"{url}/completions", json=request) as response,
+        ):
+            assert response.status_code == 200
+            lines = response.aiter_lines()
+            while not (await anext(lines)).startswith("data: {"):
+                pass
+            kv = pipeline.scheduler.scheduler.kv
+            held = kv.num_blocks - kv.num_free_blocks
+        # Leaving the block closed the connection after the first chunk.
+        await wait_idle(pipeline)
+        streamed = kv.num_blocks - kv.num_free_blocks, len(pipeline.scheduler.finished)
+        # Not streaming: the client gives up waiting for the whole answer.
+        async with httpx.AsyncClient(timeout=0.3) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(f"{url}/completions", json={**request, "stream": False, "max_tokens": 500})
+        await wait_idle(pipeline)
+        return held, streamed, (kv.num_blocks - kv.num_free_blocks, len(pipeline.scheduler.finished))
+
+    held, streamed, waited = run_with_gateway(bootstrap_servers, body, max_model_len=512)
+    # Each request ended (aborted) long before its tokens, its blocks freed.
+    assert held > 0 and streamed == (0, 1) and waited == (0, 2)
+
+
+def test_64_concurrent_streaming_clients_each_get_their_whole_stream_in_order(bootstrap_servers):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]}{' and' * (i // len(PROMPTS))}" for i in range(64)]
+    expected = expected_outputs(prompts, SamplingParams(temperature=0, max_tokens=16))
+
+    async def body(pipeline, url):
+        client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+
+        async def one(prompt):
+            stream = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True
+            )
+            return [chunk async for chunk in stream]
+
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        await client.close()
+        await wait_idle(pipeline)
+        kv = pipeline.scheduler.scheduler.kv
+        return results, kv.num_free_blocks == kv.num_blocks
+
+    results, all_free = run_with_gateway(bootstrap_servers, body)
+    for chunks, want in zip(results, expected, strict=True):
+        assert "".join(c.choices[0].text for c in chunks) == want.text
+        reasons = [c.choices[0].finish_reason for c in chunks]
+        assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+    assert all_free

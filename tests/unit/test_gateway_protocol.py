@@ -1,0 +1,150 @@
+"""The gateway's pure parts: OpenAI bodies checked into SamplingParams, answers and chunks built
+from token events, the handler's refusals before anything reaches Kafka."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parkade.schemas import ErrorKind, FinishReason, SamplingParams, TokenEvent, TokenLogprobs, Usage
+from parkade.services.gateway.handler import GatewayHandler, GatewayOptions
+from parkade.services.gateway.protocol import (
+    Answer,
+    Choice,
+    GatewayError,
+    parse_chat,
+    parse_completion,
+    pipeline_error,
+)
+
+MODEL = "stories260K"
+
+
+def body(**fields) -> bytes:
+    return json.dumps(fields).encode()
+
+
+@pytest.fixture(scope="module")
+def handler():
+    return GatewayHandler.from_options(GatewayOptions())
+
+
+def test_completion_fields_become_sampling_params_with_openais_defaults():
+    request = parse_completion(
+        body(prompt="Hi", temperature=0.5, top_k=4, stop="x", seed=3, logprobs=2, priority=-1, user="u")
+    )
+    assert request.params == SamplingParams(
+        temperature=0.5, top_k=4, stop=("x",), seed=3, logprobs=2, max_tokens=16
+    )
+    assert request.priority == -1 and not request.stream and not request.chat
+    chat = parse_chat(body(messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=5,
+                           max_tokens=9, logprobs=True, top_logprobs=3))  # fmt: skip
+    assert chat.params.max_tokens == 5 and chat.params.logprobs == 3  # the current name wins
+    assert parse_chat(body(messages=[{"role": "user", "content": "Hi"}])).params.max_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        (dict(prompt="Hi", temperature=-1), "temperature", "temperature must be >= 0"),
+        (dict(prompt="Hi", max_tokens="many"), "max_tokens", "Expected `int | null`"),
+        (dict(prompt="Hi", n=3), "n", "n must be 1"),
+        (dict(prompt="Hi", echo=True), "echo", "echo is not supported"),
+        (dict(prompt="Hi", logit_bias={"5": 1.0}), "logit_bias", "logit_bias is not supported"),
+        (dict(prompt=[1, "a"]), "prompt", "prompt must be"),
+        (dict(prompt="Hi", stream_options={"include_usage": True}), "stream_options", "only allowed"),
+    ],
+)
+def test_an_invalid_completion_field_is_refused_by_name(fields, param, message):
+    with pytest.raises(GatewayError) as error:
+        parse_completion(body(**fields))
+    assert error.value.status == 400 and error.value.param == param and message in error.value.message
+
+
+def test_an_invalid_chat_is_refused_by_name():
+    for fields, param in [
+        (dict(messages=[]), "messages"),
+        (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages"),
+        (dict(messages=[{"role": "user", "content": "x"}], top_logprobs=2), "top_logprobs"),
+        (dict(messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}]), "tools"),
+    ]:
+        with pytest.raises(GatewayError) as error:
+            parse_chat(body(**fields))
+        assert error.value.param == param, fields
+    with pytest.raises(GatewayError, match="not valid JSON"):
+        parse_chat(b"{nope")
+
+
+def test_the_handler_refuses_what_cannot_run_and_names_choices(handler):
+    with pytest.raises(GatewayError) as error:
+        handler.open(False, body(model="gpt-4", prompt="Hi"))
+    assert error.value.status == 404 and error.value.code == "model_not_found"
+    with pytest.raises(GatewayError, match="max_model_len=512") as error:
+        handler.open(False, body(prompt=[5] * 513))
+    assert error.value.param == "prompt"
+    with pytest.raises(GatewayError, match=r"\[0, 512\)"):
+        handler.open(False, body(prompt=[[5, 600]]))
+    opened = handler.open(False, body(model=MODEL, prompt=["Once upon", "Lily"]))
+    tokens = [len(handler.tokenizer.encode(p)) for p in ("Once upon", "Lily")]
+    assert [c.num_prompt_tokens for c in opened.choices] == tokens
+    assert [s["request_id"] for s in opened.submits] == [f"{opened.answer.id}-0", f"{opened.answer.id}-1"]
+    chat = handler.open(True, body(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]))
+    assert chat.submits[0]["messages"] == [{"role": "user", "content": "Hi"}]
+    assert chat.answer.id.startswith("chatcmpl-") and opened.answer.id.startswith("cmpl-")
+
+
+def test_token_texts_keep_their_leading_space(handler):
+    ids = handler.tokenizer.encode("Once upon a time, there", add_special_tokens=False)
+    assert "".join(handler.token_text(t) for t in ids) == " Once upon a time, there"
+
+
+def test_answers_and_chunks_have_openais_shapes():
+    logprobs = TokenLogprobs(token_ids=(7, 7, 9), logprobs=(-0.5, -0.5, -1.5), ranks=(1, 1, 2))
+    event = TokenEvent(request_id="r", index=0, token_ids=(7,), text=" hi", logprobs=(logprobs,))
+    last = TokenEvent(
+        request_id="r", index=1, token_ids=(8,), text="!", finish_reason=FinishReason.STOP,
+        usage=Usage(prompt_tokens=4, completion_tokens=2, cached_tokens=1),
+    )  # fmt: skip
+    choice = Choice(0, 4)
+    choice.add(event)
+    choice.add(last)
+    token_text = {7: " hi", 8: "!", 9: " yo"}.__getitem__
+    answer = Answer.new(False, MODEL)
+    response = answer.completion_response([choice], token_text)
+    assert response["object"] == "text_completion" and response["choices"][0]["text"] == " hi!"
+    assert response["choices"][0]["logprobs"] == {
+        "tokens": [" hi"], "token_logprobs": [-0.5], "top_logprobs": [{" hi": -0.5, " yo": -1.5}],
+        "text_offset": [0],
+    }  # fmt: skip
+    assert response["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 2,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
+    chat = Answer.new(True, MODEL).chat_response([choice], token_text)
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": " hi!"}
+    top = chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert top == [{"token": " hi", "logprob": -0.5, "bytes": [32, 104, 105]},
+                   {"token": " yo", "logprob": -1.5, "bytes": [32, 121, 111]}]  # fmt: skip
+    first = Answer.new(True, MODEL).chunk(True, choice, event, token_text, 0, first=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": " hi"}
+    assert first["object"] == "chat.completion.chunk"
+    usage_chunk = answer.usage_chunk(False, [choice])
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["total_tokens"] == 6
+
+
+def test_a_pipeline_error_maps_to_a_status_and_an_error_chunk():
+    statuses = {}
+    for kind in ErrorKind:
+        failed = TokenEvent(
+            request_id="r", index=0, finish_reason=FinishReason.ERROR, error="boom", error_kind=kind
+        )
+        statuses[kind.value] = pipeline_error(failed).status
+    assert statuses == {"invalid_request": 400, "overloaded": 429, "unavailable": 503, "internal": 500}
+    unknown = pipeline_error(TokenEvent(request_id="r", index=0, finish_reason=FinishReason.ERROR, error="x"))
+    assert unknown.status == 500
+    assert Answer.new(False, MODEL).error_chunk(unknown) == {
+        "error": {"message": "x", "type": "server_error", "param": None, "code": None}
+    }
