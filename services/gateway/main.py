@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import socket
@@ -103,6 +102,10 @@ class Health:
         ok = broker_ok and not missing
         detail = {"status": "ok" if ok else "unavailable", "broker": broker_ok, "services_missing": missing}
         return ok, detail
+
+
+def _json(body: dict[str, Any]) -> str:
+    return msgspec.json.encode(body).decode()  # a few times faster than json.dumps, per chunk
 
 
 def error_response(error: GatewayError) -> JSONResponse:
@@ -341,7 +344,7 @@ class Gateway:
             shown.add(index)
             if request.continuous_usage:
                 body["usage"] = answer.usage_chunk(request.chat, [choice])["usage"]
-            return json.dumps(body)
+            return _json(body)
 
         try:
             for index, event in first:
@@ -351,7 +354,7 @@ class Gateway:
                 index, item = await choices.next()
                 failure = _failure(item)
                 if failure is not None:
-                    yield json.dumps(answer.error_chunk(failure))
+                    yield _json(answer.error_chunk(failure))
                     break
                 assert isinstance(item, TokenEvent)
                 self._observe(opened, index, item, arrival)
@@ -359,7 +362,7 @@ class Gateway:
                     yield data
             else:
                 if request.include_usage:
-                    yield json.dumps(answer.usage_chunk(request.chat, opened.choices))
+                    yield _json(answer.usage_chunk(request.chat, opened.choices))
             yield "[DONE]"
         finally:
             await self._finish(choices)
