@@ -65,3 +65,13 @@ async def running_pipeline(
     finally:
         stop.set()
         await asyncio.gather(*tasks)
+
+
+async def wait_idle(pipeline: Pipeline, timeout_s: float = 30.0) -> None:
+    """Until the scheduler holds no request and no step is in flight."""
+    for _ in range(int(timeout_s / 0.05)):
+        scheduler = pipeline.scheduler
+        if scheduler.scheduler is not None and not scheduler.scheduler.requests and not scheduler.in_flight:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the scheduler did not become idle")

@@ -300,32 +300,29 @@ class Gateway:
             await choices.close()
         self.metrics.running.dec()
 
+    async def _next(self, opened: Opened, choices: Choices, arrival: float) -> tuple[int, TokenEvent]:
+        """The next event of any choice, observed; GatewayError if it ends its choice in failure."""
+        index, item = await choices.next()
+        failure = _failure(item)
+        if failure is not None:
+            raise failure
+        assert isinstance(item, TokenEvent)
+        self._observe(opened, index, item, arrival)
+        return index, item
+
     async def _first_events(
         self, opened: Opened, choices: Choices, arrival: float
     ) -> list[tuple[int, TokenEvent]]:
         """Each choice's events until its first one; GatewayError if one fails first."""
         buffered: list[tuple[int, TokenEvent]] = []
-        started: set[int] = set()
-        while len(started) < len(opened.choices):
-            index, item = await choices.next()
-            failure = _failure(item)
-            if failure is not None:
-                raise failure
-            assert isinstance(item, TokenEvent)
-            self._observe(opened, index, item, arrival)
-            buffered.append((index, item))
-            started.add(index)
+        while len({index for index, _ in buffered}) < len(opened.choices):
+            buffered.append(await self._next(opened, choices, arrival))
         return buffered
 
     async def _rest(self, opened: Opened, choices: Choices, arrival: float) -> None:
         while choices.open:
-            index, item = await choices.next()
-            failure = _failure(item)
-            if failure is not None:
-                raise failure
-            assert isinstance(item, TokenEvent)
-            self._observe(opened, index, item, arrival)
-            opened.choices[index].add(item)
+            index, event = await self._next(opened, choices, arrival)
+            opened.choices[index].add(event)
 
     async def _sse(
         self, opened: Opened, choices: Choices, first: list[tuple[int, TokenEvent]], arrival: float
@@ -350,19 +347,15 @@ class Gateway:
             for index, event in first:
                 if (data := chunk(index, event)) is not None:
                     yield data
-            while choices.open:
-                index, item = await choices.next()
-                failure = _failure(item)
-                if failure is not None:
-                    yield _json(answer.error_chunk(failure))
-                    break
-                assert isinstance(item, TokenEvent)
-                self._observe(opened, index, item, arrival)
-                if (data := chunk(index, item)) is not None:
-                    yield data
-            else:
+            try:
+                while choices.open:
+                    index, event = await self._next(opened, choices, arrival)
+                    if (data := chunk(index, event)) is not None:
+                        yield data
                 if request.include_usage:
                     yield _json(answer.usage_chunk(request.chat, opened.choices))
+            except GatewayError as failure:  # after the first token: the stream says it
+                yield _json(answer.error_chunk(failure))
             yield "[DONE]"
         finally:
             await self._finish(choices)

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from hf_reference import STORIES
-from pipeline import running_pipeline
+from pipeline import running_pipeline, wait_idle
 
 from parkade import LLM, SamplingParams
 from parkade.schemas import topics
@@ -69,15 +69,6 @@ def run_with_gateway(
 
 def expected_outputs(prompts, params):
     return [o.outputs[0] for o in LLM(STORIES, dtype="float32", **ENGINE).generate(prompts, params)]
-
-
-async def wait_idle(pipeline, timeout_s: float = 30.0) -> None:
-    for _ in range(int(timeout_s / 0.05)):
-        scheduler = pipeline.scheduler
-        if scheduler.scheduler is not None and not scheduler.scheduler.requests and not scheduler.in_flight:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("the scheduler did not become idle")
 
 
 def test_the_openai_package_gets_the_in_process_engines_text_streaming_or_not(bootstrap_servers):

@@ -18,7 +18,7 @@ import uuid
 import msgspec
 import pytest
 from hf_reference import STORIES
-from pipeline import running_pipeline
+from pipeline import running_pipeline, wait_idle
 
 from parkade import LLM, SamplingParams
 from parkade.client import Client, _Stream
@@ -55,16 +55,6 @@ def run_with_pipeline(bootstrap: str, body, **engine_kwargs):
             await bus.close()
 
     return asyncio.run(main())
-
-
-async def wait_idle(pipeline, timeout_s: float = 30.0) -> None:
-    """Until the scheduler holds no request and no step is in flight."""
-    for _ in range(int(timeout_s / 0.05)):
-        scheduler = pipeline.scheduler
-        if scheduler.scheduler is not None and not scheduler.scheduler.requests and not scheduler.in_flight:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("the scheduler did not become idle")
 
 
 def test_32_concurrent_clients_stream_the_in_process_engines_text(bootstrap_servers):
