@@ -6,8 +6,12 @@ parkade generate "prompt" [generation flags]
     send one request to a running Parkade and stream the completion to stdout
 parkade offline "prompt" [--model DIR] [engine and scheduling flags] [generation flags]
     run the in-process engine on one prompt and stream the completion to stdout
-parkade tokenizer | scheduler | executor [--help]
+parkade tokenizer | scheduler | executor | gateway [--help]
     run one service (what `parkade up` starts)
+parkade trace REQUEST_ID
+    one request's spans as a waterfall (after `parkade up --trace`)
+parkade topics --create
+    create the missing topics on the broker (each service also does, at start)
 
 `generate` and `offline` take the same generation flags, with the same defaults. Without --model,
 Parkade serves the stories260K model it ships with. Every --help shows the defaults.
@@ -20,9 +24,11 @@ import asyncio
 import dataclasses
 import importlib
 import logging
+import os
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parkade import up
@@ -81,9 +87,10 @@ async def _write_stream(prompt: str, events: AsyncIterator[tuple[str, Any]]) -> 
     return last
 
 
-def _summary(finish_reason: str | None, num_tokens: int | None) -> None:
+def _summary(finish_reason: str | None, num_tokens: int | None, request_id: str | None = None) -> None:
     tokens = "" if num_tokens is None else f", tokens={num_tokens}"
-    print(f"[finish_reason={finish_reason}{tokens}]", file=sys.stderr)
+    request = "" if request_id is None else f", request_id={request_id}"
+    print(f"[finish_reason={finish_reason}{tokens}{request}]", file=sys.stderr)
 
 
 # ---- parkade offline -------------------------------------------------------------------------
@@ -187,7 +194,53 @@ async def _stream(
     if event.error is not None or event.finish_reason is FinishReason.ERROR:
         print(f"parkade generate: error: {event.error}", file=sys.stderr)
         return 1
-    _summary(event.finish_reason, event.usage.completion_tokens if event.usage is not None else None)
+    _summary(
+        event.finish_reason, event.usage.completion_tokens if event.usage is not None else None, request_id
+    )
+    return 0
+
+
+# ---- parkade trace -----------------------------------------------------------------------------
+def _trace(args: argparse.Namespace) -> int:
+    from parkade import trace
+    from parkade.home import parkade_home
+
+    return trace.main(args.request_id, args.file or parkade_home() / up.TRACE_FILE)
+
+
+# ---- parkade topics --------------------------------------------------------------------------
+def _topics(args: argparse.Namespace) -> int:
+    from parkade.schemas import topics
+    from parkade.services.bus.kafka import BrokerUnreachableError, KafkaBus, TopicLayoutError, wait_for_broker
+
+    if not args.bootstrap_servers:
+        print(
+            "parkade topics: no broker: pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS",
+            file=sys.stderr,
+        )
+        return 2
+    names = topics.all_topic_names(args.topic_prefix)
+
+    async def create() -> None:
+        await wait_for_broker(args.bootstrap_servers, timeout_s=args.broker_wait)
+        bus = KafkaBus(args.bootstrap_servers, client_id="parkade-topics")
+        try:
+            if args.create:
+                await bus.create_topics(names)
+        finally:
+            await bus.close()
+
+    try:
+        asyncio.run(create())
+    except BrokerUnreachableError as error:
+        print(
+            f"parkade topics: cannot reach the broker at {args.bootstrap_servers}: {error}", file=sys.stderr
+        )
+        return 1
+    except TopicLayoutError as error:
+        print(f"parkade topics: {error}", file=sys.stderr)
+        return 2
+    print("\n".join(names))
     return 0
 
 
@@ -229,6 +282,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--bootstrap-servers", default=None, help="default: $KAFKA_BOOTSTRAP_SERVERS, else `parkade up`'s"
     )
     generate.add_argument("--topic-prefix", default=None, help="default: parkade., or `parkade up`'s")
+
+    trace = _subcommand(sub, "trace", "one request's spans as a waterfall (parkade up --trace)", _trace)
+    trace.add_argument("request_id")
+    trace.add_argument("--file", type=Path, default=None, help="default: $PARKADE_HOME/traces.jsonl")
+
+    topics_ = _subcommand(sub, "topics", "list Parkade's topics; --create: create the missing ones", _topics)
+    topics_.add_argument("--create", action="store_true", help="create the missing topics")
+    topics_.add_argument(
+        "--bootstrap-servers",
+        default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"),
+        help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)",
+    )
+    topics_.add_argument("--topic-prefix", default="parkade.", help="(default: parkade.)")
+    topics_.add_argument(
+        "--broker-wait", type=float, default=60.0, help="seconds to wait for the broker (default: 60)"
+    )
 
     offline = _subcommand(sub, "offline", "generate with the in-process engine (no Kafka)", _offline)
     offline.add_argument("prompt")

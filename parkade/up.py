@@ -53,6 +53,7 @@ from parkade.services.scheduler.config import check_options
 from parkade.services.tokenizer import main as tokenizer_main
 
 STOP_TIMEOUT_S = 20.0
+TRACE_FILE = "traces.jsonl"  # under $PARKADE_HOME, with --trace
 _TAIL_LINES = 20
 RESTART_BACKOFF_S = (1.0, 30.0)  # the first wait, the longest
 # A service that served (printed READY) and ran this long was not crash-looping: its next restart
@@ -77,12 +78,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     executor = [f for f in SERVICE_FLAGS["executor"] if f.name not in _MODEL_FLAGS]
     add_flags(parser.add_argument_group("executor (KV pool, device)"), executor)
     add_flags(parser.add_argument_group("scheduler (batching, admission)"), SERVICE_FLAGS["scheduler"])
-    gateway = [f for f in SERVICE_FLAGS["gateway"] if f.name not in _MODEL_FLAGS]
+    gateway = [f for f in SERVICE_FLAGS["gateway"] if f.name not in (*_MODEL_FLAGS, "max_model_len")]
     add_flags(parser.add_argument_group("gateway (OpenAI HTTP API)"), gateway)
     local = parser.add_argument_group("this machine")
     local.add_argument("--topic-prefix", default=DEFAULT_PREFIX, help=f"(default: {DEFAULT_PREFIX})")
     local.add_argument(
         "--port", type=int, default=None, help="port of the local broker (default: a free one)"
+    )
+    local.add_argument(
+        "--trace",
+        action="store_true",
+        help="write every service's spans to $PARKADE_HOME/traces.jsonl (`parkade trace ID` shows them)",
     )
     local.add_argument(
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for the services (default: 300)"
@@ -237,6 +243,11 @@ async def _serve(args: argparse.Namespace, children: list[Child], stop: asyncio.
     """
     log_dir = parkade_home() / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
+    if args.trace:  # the children inherit the environment: every service writes to the file
+        trace_file = parkade_home() / TRACE_FILE
+        trace_file.write_text("")  # this run's spans only
+        os.environ["PARKADE_TRACE_FILE"] = str(trace_file)
+        os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")  # ms: a trace is there soon after
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if not bootstrap:
         broker, bootstrap = await _start_broker(args.port, log_dir)
@@ -261,8 +272,16 @@ async def _serve(args: argparse.Namespace, children: list[Child], stop: asyncio.
     }
     gateway = next(c for c in services if c.name == "gateway")
     state["gateway_url"] = gateway.ready_detail
+    # A restarted gateway listens where the first one did (a free port, taken once), so that the
+    # URL printed and in up.json stays right.
+    gateway.cmd = [*gateway.cmd, "--http-port", gateway.ready_detail.rsplit(":", 1)[1].split("/")[0]]
     write_state(state)
     _print_instructions(bootstrap, args.topic_prefix, args.model, log_dir, gateway.ready_detail)
+    if args.trace:
+        print(
+            f"Traces: {parkade_home() / TRACE_FILE}; `parkade trace REQUEST_ID` shows one request's",
+            flush=True,
+        )
     await _until(_supervise(children, log_dir, state), stop, None)
     return stop.is_set()
 

@@ -27,6 +27,7 @@ class NewRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     block_ids: tuple[int, ...]
     num_computed_tokens: int  # prefix-cache hits are already computed
     eos_token_ids: tuple[int, ...] = ()  # suppressed until sampling_params.min_tokens
+    traceparent: str = ""  # the request's W3C trace context, for the executor's spans ("": none)
 
 
 class CachedRequestData(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

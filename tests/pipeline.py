@@ -35,15 +35,20 @@ async def running_pipeline(
     prefix: str,
     options: SchedulingOptions | None = None,
     scheduler_kwargs: dict | None = None,
+    metrics: bool = False,
     **executor_kwargs,
 ) -> AsyncIterator[Pipeline]:
-    """The three handlers, built as the services' mains build them, serving on `bus`."""
+    """The three handlers, built as the services' mains build them, serving on `bus`
+    (`metrics`: measuring, as with --metrics-port)."""
     executor_kwargs.setdefault("dtype", "float32")
     pipeline = Pipeline(
         tokenizer_main.build_handler(TokenizerOptions(model=model)),
         SchedulerHandler(options or SchedulingOptions(), **(scheduler_kwargs or {})),
         executor_main.build_handler(ExecutorOptions(model=model, **executor_kwargs)),
     )
+    if metrics:
+        for handler in (pipeline.tokenizer, pipeline.scheduler, pipeline.executor):
+            handler.enable_metrics()
     stop = asyncio.Event()
     ready = [asyncio.Event() for _ in range(3)]
     tasks = [

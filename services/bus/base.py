@@ -72,6 +72,11 @@ class Consumer(Protocol):
         """The next records, in offset order per partition; [] after timeout_ms without any."""
         ...
 
+    def highwaters(self) -> dict[str, int]:
+        """The end offset of each topic read, as last heard from the broker (no round trip):
+        for the consumer-lag metric. A topic not heard of yet is missing."""
+        ...
+
     async def commit(self, offsets: dict[str, int]) -> None:
         """Store the group's offsets: topic (full name; partition 0) -> the next offset to read
         after a restart. At-least-once: never past a record that is not handled yet."""

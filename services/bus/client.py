@@ -92,30 +92,41 @@ class RequestClient:
         last_record = loop.time()
         try:
             while not self._closing:
-                records = await consumer.getmany(timeout_ms=100)
-                if records:
+                try:
+                    records = await consumer.getmany(timeout_ms=100)
+                    if records:
+                        last_record = loop.time()
+                    elif self._streams and loop.time() - last_record > PROBE_S:
+                        # aiokafka retries a lost connection without end: ask the broker directly.
+                        await self.bus.ping(timeout_s=PROBE_S)
+                        last_record = loop.time()
+                except Exception as error:
+                    # A broker that stops answering ends every open stream with one error, never
+                    # a hang; the reader goes on, so that a long-lived client (the gateway)
+                    # serves again once the broker is back.
+                    gone = PipelineGoneError(f"lost the broker at {self.bootstrap_servers}: {error}")
+                    for stream in self._streams.values():
+                        stream.queue.put_nowait(gone)
                     last_record = loop.time()
-                elif self._streams and loop.time() - last_record > PROBE_S:
-                    # aiokafka retries a lost connection without end: ask the broker directly.
-                    await self.bus.ping(timeout_s=PROBE_S)
-                    last_record = loop.time()
+                    continue
                 for record in records:
-                    try:
-                        event = self._decoder.decode(record.value, record.header(topics.CONTENT_TYPE))
-                    except (msgspec.DecodeError, msgspec.ValidationError):
-                        continue  # not ours to judge: the services write this topic
-                    stream = self._streams.get(event.request_id)
-                    traceparent = record.header("traceparent")
-                    if stream is not None and traceparent in (None, stream.traceparent):
-                        stream.queue.put_nowait(event)
-        except Exception as error:  # a broken connection ends every open stream, never a hang
-            gone = PipelineGoneError(f"lost the broker at {self.bootstrap_servers}: {error}")
-            for stream in self._streams.values():
-                stream.queue.put_nowait(gone)
-            raise
+                    self._deliver(record)
         finally:
             with contextlib.suppress(Exception):
                 await consumer.stop()
+
+    def _deliver(self, record: Any) -> None:
+        try:
+            event = self._decoder.decode(record.value, record.header(topics.CONTENT_TYPE))
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            # Not ours to judge (the services write this topic), but a stream it belonged to
+            # would wait for it: say so.
+            log.warning("an undecodable record on %s at offset %d: %s", record.topic, record.offset, error)
+            return
+        stream = self._streams.get(event.request_id)
+        traceparent = record.header("traceparent")
+        if stream is not None and traceparent in (None, stream.traceparent):
+            stream.queue.put_nowait(event)
 
     async def stop(self) -> None:
         """Close; never raises (the broker may be gone already)."""
@@ -148,9 +159,11 @@ class RequestClient:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        traceparent: bytes | None = None,
     ) -> str:
         """Send a generate request; its events are kept for `stream(request_id)`. A request id
-        this client is streaming already is refused (ValueError)."""
+        this client is streaming already is refused (ValueError). `traceparent`: the W3C trace
+        context its spans belong under (default: a new trace)."""
         assert self._reader is not None, "start the client first (async with Client(...))"
         if self._reader.done():  # it lost the broker: nothing sent now could be read back
             raise PipelineGoneError(f"lost the broker at {self.bootstrap_servers}; start a new client")
@@ -164,7 +177,7 @@ class RequestClient:
             sampling_params=sampling_params or SamplingParams(),
             priority=priority,
         )
-        traceparent = new_traceparent()
+        traceparent = traceparent or new_traceparent()
         self._streams[request.request_id] = _Stream(traceparent)
         headers: tuple[tuple[str, bytes], ...] = (("traceparent", traceparent),)
         if self.reply_topic is not None:
@@ -212,7 +225,10 @@ class RequestClient:
         loop = asyncio.get_running_loop()
         wait = self.idle_timeout_s if deadline is None else min(self.idle_timeout_s, deadline - loop.time())
         try:
-            return await asyncio.wait_for(queue.get(), max(wait, 0.0))
+            # NOTE: asyncio.timeout, not wait_for: on Python 3.11 a cancel that lands as
+            # wait_for's inner get completes is swallowed, and an abandoned stream would go on.
+            async with asyncio.timeout(max(wait, 0.0)):
+                return await queue.get()
         except TimeoutError:
             if deadline is not None and loop.time() >= deadline:
                 raise TimeoutError(f"request {request_id} passed its timeout") from None
@@ -225,6 +241,11 @@ class RequestClient:
         request_id = await self.submit(**kwargs)
         async for event in self.stream(request_id, timeout_s):
             yield event
+
+    async def abandon(self, request_id: str) -> None:
+        """Stop keeping a submitted request's events, and abort it (nobody will stream it)."""
+        self._streams.pop(request_id, None)
+        await self.cancel(request_id)
 
     async def cancel(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort". Never raises: on the

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Awaitable
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -30,6 +32,18 @@ from aiokafka.errors import (
 )
 
 from parkade.services.bus.base import CommitError, Headers, Outcome, OutgoingRecord, Record, RecordRejected
+from parkade.services.bus.security import client_settings
+
+
+def _security() -> dict[str, Any]:
+    """TLS and SASL settings from the environment (see security.py), read once per process."""
+    global _SECURITY
+    if _SECURITY is None:
+        _SECURITY = client_settings(os.environ)
+    return _SECURITY
+
+
+_SECURITY: dict[str, Any] | None = None
 
 # Latency matters more than batching: a step plan waits on every hop.
 _CONSUMER_SETTINGS = dict(fetch_max_wait_ms=20, enable_auto_commit=False, auto_offset_reset="earliest")
@@ -78,6 +92,14 @@ class KafkaConsumer:
             for m in records
         ]
 
+    def highwaters(self) -> dict[str, int]:
+        out = {}
+        for partition in self._consumer.assignment():
+            highwater = self._consumer.highwater(partition)
+            if highwater is not None:
+                out[partition.topic] = out.get(partition.topic, 0) + highwater
+        return out
+
     async def commit(self, offsets: dict[str, int]) -> None:
         if self._group_id is not None and offsets:
             try:
@@ -113,6 +135,7 @@ class KafkaBus:
                 # acks="all": a record counts as sent once every in-sync replica has it, so that
                 # a leader's failover cannot lose what was acknowledged (and then committed past).
                 producer = AIOKafkaProducer(
+                    **_security(),
                     bootstrap_servers=self.bootstrap_servers,
                     client_id=self.client_id,
                     linger_ms=0,
@@ -138,6 +161,7 @@ class KafkaBus:
         start: dict[str, int] | None = None,
     ) -> KafkaConsumer:
         consumer = AIOKafkaConsumer(
+            **_security(),
             bootstrap_servers=self.bootstrap_servers,
             client_id=self.client_id,
             group_id=group_id,
@@ -189,7 +213,9 @@ class KafkaBus:
         NOTE: one partition is what gives the services their order: step results in step order,
         and a request's records in the order they were sent across the topics it crosses.
         """
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers, client_id=self.client_id)
+        admin = AIOKafkaAdminClient(
+            **_security(), bootstrap_servers=self.bootstrap_servers, client_id=self.client_id
+        )
         await admin.start()
         try:
             existing = set(await admin.list_topics())
@@ -222,6 +248,7 @@ class KafkaBus:
         consumer = self._progress.get((group_id, topic))
         if consumer is None:
             consumer = AIOKafkaConsumer(
+                **_security(),
                 bootstrap_servers=self.bootstrap_servers,
                 client_id=self.client_id,
                 group_id=group_id,
@@ -259,7 +286,9 @@ async def wait_for_broker(bootstrap_servers: str, timeout_s: float = 30.0) -> No
     aiokafka_log.setLevel(logging.CRITICAL)
     try:
         while True:
-            admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=2000)
+            admin = AIOKafkaAdminClient(
+                **_security(), bootstrap_servers=bootstrap_servers, request_timeout_ms=2000
+            )
             try:
                 await admin.start()
                 await admin.list_topics()

@@ -30,6 +30,9 @@ class MemoryConsumer:
             bus.topics.setdefault(topic, [])
         self.positions = {t: len(bus.topics[t]) if from_end else committed.get(t, 0) for t in topics}
 
+    def highwaters(self) -> dict[str, int]:
+        return {topic: len(self.bus.topics[topic]) for topic in self.topics}
+
     async def getmany(self, timeout_ms: int = 100) -> list[Record]:
         if not self._available():
             try:

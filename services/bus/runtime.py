@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -26,7 +27,9 @@ from typing import Any, Protocol, TypeVar
 from parkade.schemas import topics
 from parkade.schemas.topics import DEFAULT_PREFIX
 from parkade.services.bus.base import Bus
+from parkade.services.common import logs, tracing
 
+log = logging.getLogger(__name__)
 H = TypeVar("H")
 BROKER_WAIT_S = 10.0
 EXIT_DUPLICATE = 3  # another instance serves these topics: `parkade up` does not restart it
@@ -55,6 +58,17 @@ def service_parser(name: str, description: str | None) -> argparse.ArgumentParse
         "$PARKADE_KAFKA_IDEMPOTENCE=1",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ["PARKADE_METRICS_PORT"]) if os.environ.get("PARKADE_METRICS_PORT") else None,
+        help="serve Prometheus metrics at :PORT/metrics (default: $PARKADE_METRICS_PORT; unset: off)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=os.environ.get("PARKADE_METRICS_HOST", "0.0.0.0"),
+        help="address of the metrics endpoint (default: $PARKADE_METRICS_HOST, else 0.0.0.0)",
+    )
+    parser.add_argument(
         "--broker-wait",
         type=float,
         default=BROKER_WAIT_S,
@@ -74,6 +88,8 @@ def run_service(
     if not args.bootstrap_servers:
         parser.error("no broker: pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS")
     _exit_on_sigterm()
+    logs.configure(name)
+    tracing.configure(name, os.environ)
     try:
         handler = build_handler()
     except ValueError as error:  # settings or a model folder that cannot work: say so, no traceback
@@ -81,6 +97,18 @@ def run_service(
         return 2
     except KeyboardInterrupt:  # Ctrl-C while loading: a normal stop
         return 0
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(
+                args.metrics_port, args.metrics_host, registry=handler.enable_metrics().registry
+            )
+        except OSError as error:
+            print(
+                f"parkade {name}: cannot serve metrics on port {args.metrics_port}: {error}", file=sys.stderr
+            )
+            return 1
 
     async def serve_forever(stop: asyncio.Event) -> None:
         await on_kafka(
@@ -108,6 +136,8 @@ def run_service(
     except DuplicateInstanceError as error:
         print(f"parkade {name}: refusing to start: {error}", file=sys.stderr)
         return EXIT_DUPLICATE
+    finally:
+        tracing.shutdown()  # what is buffered goes out
 
 
 async def on_kafka(
@@ -128,6 +158,8 @@ async def on_kafka(
     bus = KafkaBus(bootstrap_servers, client_id=f"parkade-{service}", idempotence=idempotence)
     try:
         await bus.create_topics(topics.all_topic_names(prefix))
+        # NOTE: not before: a service that cannot start says so in one line and nothing else.
+        log.info("starting: broker %s, topics %s*", bootstrap_servers, prefix, extra={"topic": prefix})
         async with single_instance(bus, service, prefix, uuid.uuid4().hex):
             await serve(bus)
     finally:
@@ -138,7 +170,10 @@ def _announce_ready(service: str) -> Callable[[], None]:
     """The line `parkade up` waits for: printed once the service consumes its topics."""
 
     def ready() -> None:
-        print(f"READY {service}", flush=True)
+        log.info("ready")
+        # The protocol line `parkade up` waits for (stdout; the logs go to stderr).
+        sys.stdout.write(f"READY {service}\n")
+        sys.stdout.flush()
 
     return ready
 

@@ -34,6 +34,7 @@ from parkade.services.bus.base import (
     Record,
     RecordRejected,
 )
+from parkade.services.common.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,10 @@ Handler = Callable[[Any, Record], Awaitable[list[Outgoing]] | list[Outgoing]]
 
 def dead_letter(record: Record, error: Exception) -> Outgoing:
     """The raw record, with why and where from in its headers."""
+    log.warning(
+        "dead letter from %s offset %d: %s", record.topic, record.offset, error,
+        extra={"topic": record.topic, "offset": record.offset, "reason": str(error)[:300]},
+    )  # fmt: skip
     headers = (
         *record.headers,
         ("parkade-error", str(error).encode()[:1000]),
@@ -108,6 +113,7 @@ async def serve(
     on_sent: Callable[[Outgoing, int], None] | None = None,
     low_watermarks: Callable[[], dict[str, int]] | None = None,
     progress: Callable[[], dict[str, int]] | None = None,
+    metrics: ServiceMetrics | None = None,
 ) -> None:
     """Consume the handlers' topics (unprefixed names) until `stop` is set.
 
@@ -141,6 +147,8 @@ async def serve(
     sends = _Sends(bus, prefix, on_send_error, on_sent)
     handled: dict[str, int] = {}  # topic -> the offset after the last record handled
     uncommitted, last_commit = False, loop.time()
+    if metrics is not None:
+        metrics.watch_consumer(consumer.highwaters, handled)
 
     saved: dict[str, int] = {}  # the progress saved last, by topic
 

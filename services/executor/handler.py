@@ -16,13 +16,16 @@ recomputes every request under the new one.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import msgspec
 
 from parkade.schemas import ExecutorAnnouncement, StepPlan, StepResult, topics
 from parkade.services.bus.base import Outgoing
+from parkade.services.common import tracing
 from parkade.services.executor.executor import Executor
+from parkade.services.executor.metrics import ExecutorMetrics
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,13 @@ class ExecutorHandler:
         self.epoch = 0
         self.num_heartbeats = 0
         self.num_failed_steps = 0
+        self.traceparents: dict[str, str] = {}  # per request, while tracing is on: its spans' context
+        self.metrics: ExecutorMetrics | None = None  # see enable_metrics
+
+    def enable_metrics(self) -> ExecutorMetrics:
+        """Measure from now on (the service serves them with --metrics-port)."""
+        self.metrics = ExecutorMetrics()
+        return self.metrics
 
     def announcement(self) -> Outgoing:
         config = self.executor.model_config
@@ -75,15 +85,51 @@ class ExecutorHandler:
         if plan.step_id <= self.last_step_id:
             return []  # redelivered
         self.last_step_id = plan.step_id
+        spans = self._start_spans(plan) if tracing.enabled() else []
+        started = time.perf_counter()
         try:
             result = self.executor.execute(plan)
         except Exception as error:
             log.exception("step %d failed; dropping every request's state", plan.step_id)
+            if self.metrics is not None:
+                self.metrics.failed_steps.inc()
+            for span in spans:
+                span.set_status(tracing.trace.Status(tracing.trace.StatusCode.ERROR, str(error)))
+                span.end()
             return [Outgoing(topics.STEP_RESULTS, self._failed(plan, error))]
+        for span in spans:
+            span.end()
+        if self.metrics is not None:
+            self.metrics.step_time.observe(time.perf_counter() - started)
+            self.metrics.steps.inc()
         result = msgspec.structs.replace(
             result, executor_id=self.executor_id, scheduler_id=plan.scheduler_id, epoch=plan.epoch
         )
         return [Outgoing(topics.STEP_RESULTS, result)]
+
+    def _start_spans(self, plan: StepPlan) -> list:
+        """The step's span, linked to the requests it serves, and a prefill span in the trace of
+        each request it starts (see services/common/tracing.py)."""
+        for request_id in (*plan.finished_request_ids, *plan.preempted_request_ids):
+            self.traceparents.pop(request_id, None)
+        tracer = tracing.tracer()
+        spans = []
+        for new in plan.new_requests:
+            if new.traceparent:
+                self.traceparents[new.request_id] = new.traceparent
+                context = tracing.context_of_traceparent(new.traceparent)
+                attributes = {"parkade.request_id": new.request_id, "parkade.step_id": plan.step_id}
+                spans.append(tracer.start_span("executor.prefill", context=context, attributes=attributes))
+        links = [
+            link for r in plan.num_scheduled_tokens for link in tracing.link_to(self.traceparents.get(r))
+        ]
+        attributes = {
+            "parkade.step_id": plan.step_id,
+            "parkade.num_tokens": plan.total_num_scheduled_tokens,
+            "parkade.num_seqs": len(plan.num_scheduled_tokens),
+        }
+        spans.append(tracer.start_span("executor.step", links=links, attributes=attributes))
+        return spans
 
     def on_send_error(self, out: Outgoing, error: Exception) -> list[Outgoing]:
         """The broker refused a step's result (too large): for the scheduler the step failed, and

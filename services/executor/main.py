@@ -85,6 +85,7 @@ async def run(
             poll_ms=10,
             send_each=True,  # result N goes out before step N+1 runs
             on_send_error=handler.on_send_error,
+        metrics=handler.metrics,
         )
     finally:
         beating.cancel()

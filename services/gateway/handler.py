@@ -46,6 +46,9 @@ class GatewayOptions:
     served_model_name: str | None = field(
         default=None, metadata={"help": "the model's name in the API; unset: the model folder's name"}
     )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "longest prompt + output served; unset: the model's own limit"}
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on (0.0.0.0: every one)"})
     http_port: int = field(default=8000, metadata={"help": "HTTP port (0: a free one)"})
     max_body_bytes: int = field(
@@ -87,7 +90,9 @@ class GatewayHandler:
             model_name=options.served_model_name or Path(options.model).name,
             root=str(options.model),
             vocab_size=config.vocab_size,
-            max_model_len=config.max_position_embeddings,
+            max_model_len=min(
+                options.max_model_len or config.max_position_embeddings, config.max_position_embeddings
+            ),
         )
 
     def models(self) -> dict[str, Any]:

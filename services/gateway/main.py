@@ -35,7 +35,7 @@ import msgspec
 import uvicorn
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -44,6 +44,7 @@ from parkade.services import PIPELINE
 from parkade.services.bus.base import RecordRejected
 from parkade.services.bus.client import PipelineGoneError, RequestClient
 from parkade.services.bus.runtime import service_parser
+from parkade.services.common import logs, tracing
 from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
 from parkade.services.gateway.handler import GatewayHandler, GatewayOptions, Opened
 from parkade.services.gateway.metrics import GatewayMetrics
@@ -55,6 +56,9 @@ T = TypeVar("T")
 FLAGS = dataclass_flags(GatewayOptions)
 # A service is alive while its heartbeats (one a second) keep coming.
 HEARTBEAT_STALE_S = 5.0
+SEND_TIMEOUT_S = 30.0
+# At a stop, open requests get this long to end; then their streams are cut (and aborted).
+GRACEFUL_STOP_S = 3.0
 BROKER_PROBE_S = 2.0
 
 
@@ -79,7 +83,13 @@ class Health:
         decoder = topics.TopicDecoder(topics.INSTANCES)
         try:
             while True:
-                for record in await consumer.getmany(timeout_ms=500):
+                try:
+                    records = await consumer.getmany(timeout_ms=500)
+                except Exception as error:  # the broker's trouble: /health says so meanwhile
+                    log.warning("reading heartbeats: %s", error)
+                    await asyncio.sleep(1.0)
+                    continue
+                for record in records:
                     with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
                         message = decoder.decode(record.value, record.header(topics.CONTENT_TYPE))
                         if isinstance(message, InstanceHeartbeat):
@@ -152,7 +162,10 @@ class Choices:
     """The events of one HTTP request's choices (one pipeline request each), merged in arrival
     order. `close` aborts what is unfinished (each `RequestClient.stream` does on leaving)."""
 
-    def __init__(self, client: RequestClient, request_ids: list[str]) -> None:
+    def __init__(self, client: RequestClient, request_ids: list[str], span: Any) -> None:
+        self.client, self.request_ids = client, request_ids
+        self.span = span  # the HTTP request's, ended with it
+        self.started: set[int] = set()  # choices whose stream began (it aborts itself on leaving)
         self.queue: asyncio.Queue[tuple[int, TokenEvent | Exception]] = asyncio.Queue()
         self.open = len(request_ids)
         self.tasks = [
@@ -161,6 +174,7 @@ class Choices:
         ]
 
     async def _pump(self, index: int, stream: AsyncIterator[TokenEvent]) -> None:
+        self.started.add(index)
         try:
             async for event in stream:
                 self.queue.put_nowait((index, event))
@@ -177,6 +191,9 @@ class Choices:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        for index, request_id in enumerate(self.request_ids):
+            if index not in self.started:  # cancelled before its stream began: abort it here
+                await self.client.abandon(request_id)
 
 
 def _failure(item: TokenEvent | Exception) -> GatewayError | None:
@@ -201,13 +218,14 @@ class Gateway:
         *,
         api_key: str | None,
         max_body_bytes: int,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.handler = handler
         self.client = client
         self.health = health
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
-        self.metrics = GatewayMetrics()
+        self.metrics = metrics or GatewayMetrics()
 
     def app(self) -> Starlette:
         return Starlette(
@@ -264,14 +282,30 @@ class Gateway:
             opened = self.handler.open(chat, await read_body(request, self.max_body_bytes))
         except GatewayError as error:
             return error_response(error)
+        except ClientDisconnect:
+            return Response(status_code=499)  # gone before it finished sending
         self.metrics.prompt_tokens.inc(sum(c.num_prompt_tokens for c in opened.choices))
+        # The request's trace starts here; its choices' records carry it through the pipeline.
+        span = tracing.start_span(
+            f"POST {request.url.path}",
+            kind=tracing.trace.SpanKind.SERVER,
+            attributes={"parkade.request_id": opened.answer.id, "parkade.num_choices": len(opened.choices)},
+        )
+        traceparent = tracing.traceparent_of(span) if span.is_recording() else None
+        request_ids: list[str] = []
         try:
-            request_ids = [await self.client.submit(**submit) for submit in opened.submits]
-        except RecordRejected as error:
-            return error_response(GatewayError(413, f"the request is too large for the broker: {error}"))
-        except (PipelineGoneError, ValueError) as error:
+            for submit in opened.submits:
+                request_ids.append(
+                    await self.client.submit(**submit, traceparent=traceparent and traceparent.encode())
+                )
+        except (RecordRejected, PipelineGoneError, ValueError) as error:
+            span.end()
+            for request_id in request_ids:  # the choices sent already: nobody will read them
+                await self.client.abandon(request_id)
+            if isinstance(error, RecordRejected):
+                return error_response(GatewayError(413, f"the request is too large for the broker: {error}"))
             return error_response(GatewayError(503, str(error)))
-        choices = Choices(self.client, request_ids)
+        choices = Choices(self.client, request_ids, span)
         self.metrics.running.inc()
         handed_over = False
         try:
@@ -279,7 +313,10 @@ class Gateway:
             first = await unless_disconnected(request, self._first_events(opened, choices, arrival))
             if opened.request.stream:
                 handed_over = True
-                return EventSourceResponse(self._sse(opened, choices, first, arrival), ping=15)
+                # send_timeout: a client that stops reading for that long is gone (its request
+                # is aborted) rather than holding its KV blocks until max_tokens.
+                stream = self._sse(opened, choices, first, arrival)
+                return EventSourceResponse(stream, ping=15, send_timeout=SEND_TIMEOUT_S)
             for index, event in first:
                 opened.choices[index].add(event)  # first events are never errors here
             await unless_disconnected(request, self._rest(opened, choices, arrival))
@@ -298,6 +335,7 @@ class Gateway:
         # Shielded: a cancelled HTTP task must still abort its requests (bounded by the client).
         with anyio.CancelScope(shield=True):
             await choices.close()
+        choices.span.end()
         self.metrics.running.dec()
 
     async def _next(self, opened: Opened, choices: Choices, arrival: float) -> tuple[int, TokenEvent]:
@@ -333,7 +371,10 @@ class Gateway:
 
         def chunk(index: int, event: TokenEvent) -> str | None:
             choice = opened.choices[index]
-            offset = len(choice.text)
+            # Offsets of logprob tokens follow the tokens' texts, not what was shown (text held
+            # back for a possible stop string would shift them).
+            offset = choice.logprob_text_offset
+            choice.logprob_text_offset += sum(len(token_text(p.token_ids[0])) for p in event.logprobs or ())
             choice.add(event)
             if not event.text and not event.logprobs and event.finish_reason is None and index in shown:
                 return None  # text held back (a possible stop string): nothing to show yet
@@ -365,9 +406,9 @@ class Gateway:
         now = time.monotonic()
         choice = opened.choices[index]
         if event.token_ids:
-            if choice.num_tokens == 0:
+            if choice.last_event_at is None:
                 self.metrics.ttft.observe(now - arrival)
-            elif choice.last_event_at is not None:
+            else:
                 gap = (now - choice.last_event_at) / len(event.token_ids)
                 for _ in event.token_ids:
                     self.metrics.itl.observe(gap)
@@ -404,7 +445,8 @@ async def serve(
     stop: asyncio.Event,
     broker_wait_s: float,
     idempotence: bool = False,
-    ready: Callable[[str], None] = lambda url: print(f"READY gateway {url}", flush=True),
+    ready: Callable[[str], None] | None = None,
+    metrics: GatewayMetrics | None = None,
 ) -> None:
     """Serve HTTP until `stop`; `ready(url)` once it listens (`parkade up` reads the line)."""
     from parkade.services.bus.kafka import KafkaBus, wait_for_broker
@@ -418,16 +460,30 @@ async def serve(
         await client.start()
         health = Health(client)
         follow = asyncio.create_task(health.follow())
-        gateway = Gateway(handler, client, health, api_key=api_key, max_body_bytes=options.max_body_bytes)
-        config = uvicorn.Config(gateway.app(), log_level="warning", lifespan="off", timeout_keep_alive=30)
+        gateway = Gateway(
+            handler, client, health, api_key=api_key, max_body_bytes=options.max_body_bytes, metrics=metrics
+        )
+        config = uvicorn.Config(
+            gateway.app(),
+            log_level="warning",
+            lifespan="off",
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=GRACEFUL_STOP_S,
+        )
         server = _Server(config)
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.01)
         if server.started:
             host, port = sock.getsockname()[:2]
-            shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-            ready(f"http://{shown}:{port}/v1")
+            shown = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
+            url = f"http://{shown}:{port}/v1"
+            log.info("ready: %s", url)
+            if ready is not None:
+                ready(url)
+            else:  # the protocol line `parkade up` waits for (stdout; the logs go to stderr)
+                sys.stdout.write(f"READY gateway {url}\n")
+                sys.stdout.flush()
             await asyncio.wait(
                 {serving, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
             )
@@ -451,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.bootstrap_servers:
         parser.error("no broker: pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS")
     options = GatewayOptions(**flag_values(FLAGS, args))
+    logs.configure("gateway")
+    tracing.configure("gateway", os.environ)
     try:
         handler = GatewayHandler.from_options(options)
     except ValueError as error:
@@ -459,6 +517,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from parkade.services.bus.kafka import BrokerUnreachableError
     from parkade.services.bus.runtime import run_until_signalled
+
+    metrics = GatewayMetrics()  # at /metrics; also at --metrics-port when given, as every service's
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        try:
+            start_http_server(args.metrics_port, args.metrics_host, registry=metrics.registry)
+        except OSError as error:
+            print(
+                f"parkade gateway: cannot serve metrics on port {args.metrics_port}: {error}", file=sys.stderr
+            )
+            return 1
 
     async def serve_until(stop: asyncio.Event) -> None:
         await serve(
@@ -470,19 +540,20 @@ def main(argv: list[str] | None = None) -> int:
             stop=stop,
             broker_wait_s=args.broker_wait,
             idempotence=args.idempotence,
+            metrics=metrics,
         )
 
     try:
         return run_until_signalled(serve_until)
-    except OSError as error:
-        if isinstance(error, BrokerUnreachableError):
-            print(
-                f"parkade gateway: cannot reach the broker at {args.bootstrap_servers}: {error}",
-                file=sys.stderr,
-            )
-        else:
-            print(
-                f"parkade gateway: cannot listen on {options.host}:{options.http_port}: {error}",
-                file=sys.stderr,
-            )
+    except BrokerUnreachableError as error:
+        print(
+            f"parkade gateway: cannot reach the broker at {args.bootstrap_servers}: {error}", file=sys.stderr
+        )
         return 1
+    except OSError as error:  # the address is taken, or not ours
+        print(
+            f"parkade gateway: cannot listen on {options.host}:{options.http_port}: {error}", file=sys.stderr
+        )
+        return 1
+    finally:
+        tracing.shutdown()  # what is buffered goes out

@@ -6,8 +6,10 @@
 
 Requests follow OpenAI's fields as vLLM's server takes them, with vLLM's extensions (`top_k`,
 `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...) and Parkade's
-`priority`. A field Parkade does not implement is refused by name (400), never ignored silently;
-fields OpenAI clients send that change nothing here (`user`, `metadata`, `store`) are accepted.
+`priority`. A known field Parkade does not implement with a value that would change the answer
+(`n` > 1, `echo`, `logit_bias`, `tools`, ...) is refused by name (400); a field this module does
+not know is ignored, as vLLM's server does (OpenAI's clients send fields such as `metadata` and
+`store` that change nothing here).
 """
 
 from __future__ import annotations
@@ -298,6 +300,7 @@ class Choice:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     last_event_at: float | None = None  # when its last event with tokens came (the gateway's clock)
+    logprob_text_offset: int = 0  # where the next logprob token's text starts (streaming)
 
     def add(self, event: TokenEvent) -> None:
         self.text += event.text

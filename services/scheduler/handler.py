@@ -54,6 +54,7 @@ from parkade.schemas import (
     FinishRequest,
     GeneratedBatch,
     GeneratedTokens,
+    NewRequestData,
     SchedulerAnnouncement,
     StepPlan,
     StepResult,
@@ -61,9 +62,12 @@ from parkade.schemas import (
 )
 from parkade.services.bus.base import Headers, Outgoing
 from parkade.services.bus.serve import rejected_letter
+from parkade.services.common import logs
 from parkade.services.common.recent import RecentIds
 from parkade.services.scheduler.config import KVGeometry, SchedulerConfig, SchedulingOptions
+from parkade.services.scheduler.metrics import SchedulerMetrics
 from parkade.services.scheduler.scheduler import OverloadedError, Scheduler
+from parkade.services.scheduler.spans import RequestSpans
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,8 @@ class SchedulerHandler:
         self.pending: dict[str, EngineRequest] = {}  # before an executor has announced itself
         self.in_flight: OrderedDict[int, StepPlan] = OrderedDict()
         self.headers: dict[str, Headers] = {}  # per request: trace context to pass on
+        self.spans = RequestSpans()  # per request, while tracing is on
+        self.metrics: SchedulerMetrics | None = None  # see enable_metrics
         self.epoch = 0  # of the executor's request state: see StepPlan.epoch
         self.last_heard = 0.0  # when the current executor last announced itself or answered
         self.step_timeout_s = step_timeout_s
@@ -130,6 +136,11 @@ class SchedulerHandler:
         self.generated_end = 0  # the offset after the last generated record acknowledged
         self.resume: dict[str, list[int]] = {}  # read from the log: live requests' outputs
         self.replay_start = 0  # where `recover` read the generated topic from
+
+    def enable_metrics(self) -> SchedulerMetrics:
+        """Measure from now on (the service serves them with --metrics-port)."""
+        self.metrics = SchedulerMetrics(self)
+        return self.metrics
 
     def announcement(self) -> Outgoing:
         """Sent once at start: the end of what `recover` reads, and for the tokenizer the news
@@ -204,6 +215,11 @@ class SchedulerHandler:
         if self.executor_id is not None:
             self.retired_executors.add(self.executor_id)
         # (An executor declared lost is not retired: when it is heard again, it is adopted anew.)
+        log.info(
+            "executor %s joined: %d blocks of %d tokens (replacing %s)",
+            announcement.executor_id, announcement.num_blocks, announcement.block_size, self.executor_id,
+            extra={"executor_id": announcement.executor_id},
+        )  # fmt: skip
         self.executor_id = announcement.executor_id
         self.vocab_size = announcement.vocab_size
         self.last_heard = self.clock()
@@ -270,6 +286,7 @@ class SchedulerHandler:
             error = f"request id {request_id!r} was used by a request that ended recently; use a fresh id"
             return [self._refused(request_id, error, ErrorKind.INVALID_REQUEST)]
         self.headers.setdefault(request_id, headers)
+        self.spans.arrived(request_id, headers, len(message.prompt_token_ids))
         if offset is not None:
             self.sources.setdefault(request_id, offset)
         start = self.replay_start if request_id in self.resume else self.generated_end
@@ -298,6 +315,8 @@ class SchedulerHandler:
             return [self._refused(request.request_id, error, ErrorKind.INVALID_REQUEST)]
         try:
             self.scheduler.add(request, self.resume.get(request.request_id, ()))
+            if self.metrics is not None:
+                self.metrics.arrived(request)
         except OverloadedError as error:
             return [self._refused(request.request_id, str(error), ErrorKind.OVERLOADED)]
         except ValueError as error:
@@ -306,6 +325,9 @@ class SchedulerHandler:
         return []
 
     def _refused(self, request_id: str, error: str, kind: ErrorKind) -> Outgoing:
+        log.info(
+            "request refused (%s): %s", kind, error, extra={**logs.request(request_id), "reason": str(kind)}
+        )
         event = GeneratedTokens(
             request_id=request_id,
             index=len(self.resume.get(request_id, ())),  # after what it generated before a restart
@@ -338,6 +360,8 @@ class SchedulerHandler:
             for request_id in result.request_ids:
                 self.step_failures.pop(request_id, None)
         events = self.scheduler.update(plan, result)
+        if self.metrics is not None:
+            self.metrics.step_done(result.step_id)
         for event in events:
             self._forget_if_finished(event)
         return [Outgoing(topics.GENERATED, GeneratedBatch(events=tuple(events)))] if events else []
@@ -442,13 +466,29 @@ class SchedulerHandler:
             if not (plan.num_scheduled_tokens or plan.finished_request_ids or plan.preempted_request_ids):
                 break
             plan = msgspec.structs.replace(
-                plan, executor_id=self.executor_id, scheduler_id=self.scheduler_id, epoch=self.epoch
+                plan,
+                executor_id=self.executor_id,
+                scheduler_id=self.scheduler_id,
+                epoch=self.epoch,
+                new_requests=self._traced(plan.new_requests),
             )
+            self.spans.planned(plan)
+            if self.metrics is not None:
+                self.metrics.planned(plan)
             self.in_flight[plan.step_id] = plan
             out.append(Outgoing(topics.STEP_PLANS, plan))
         if not self.in_flight:
             self.scheduler.check_integrity()
         return out
+
+    def _traced(self, new_requests: tuple[NewRequestData, ...]) -> tuple[NewRequestData, ...]:
+        """The new requests with their trace context, for the executor's spans (tracing on)."""
+        if not self.spans.request:
+            return new_requests
+        return tuple(
+            msgspec.structs.replace(new, traceparent=self.spans.traceparent(new.request_id))
+            for new in new_requests
+        )
 
     def _generated(self, event: GeneratedTokens) -> Outgoing:
         headers = self.headers.get(event.request_id, ())
@@ -456,6 +496,11 @@ class SchedulerHandler:
         return Outgoing(topics.GENERATED, event, event.request_id, headers)
 
     def _forget_if_finished(self, event: GeneratedTokens) -> None:
+        """Every event the handler writes passes here: its span's bookkeeping, and a finished
+        request's tables."""
+        self.spans.generated(event)
+        if self.metrics is not None:
+            self.metrics.generated(event)
         if event.finish_reason is not None:
             self.headers.pop(event.request_id, None)
             self.step_failures.pop(event.request_id, None)

@@ -75,6 +75,7 @@ async def run(
         ready=ready,
         poll_ms=10,
         on_send_error=handler.on_send_error,
+        metrics=handler.metrics,
         on_sent=handler.on_sent,
         low_watermarks=handler.low_watermarks,
         progress=handler.progress,

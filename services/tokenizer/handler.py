@@ -28,10 +28,12 @@ whose stream cannot be rebuilt (error event, and the scheduler stops it).
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from parkade.schemas import (
     AbortRequest,
@@ -49,8 +51,10 @@ from parkade.schemas import (
 )
 from parkade.services.bus.base import Headers, Outgoing
 from parkade.services.bus.serve import rejected_letter
+from parkade.services.common import tracing
 from parkade.services.common.recent import RecentIds
 from parkade.services.tokenizer.frontend import FrontEnd, RequestStream, StreamUpdate
+from parkade.services.tokenizer.metrics import TokenizerMetrics
 
 # Where a request record came from (topic, partition, offset): the same record read again is a
 # redelivery; another record with the same request id is a second request.
@@ -59,6 +63,8 @@ Source = tuple[str, int, int]
 
 # How long events wait for their request once the requests from before the start are read.
 ORPHAN_WAIT_S = 30.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,6 +75,7 @@ class _Open:
     # An offset of the generated topic at or below the stream's first event (None: below the
     # next record read).
     generated_start: int | None = None
+    span: Any = None  # its detokenize span, while tracing is on
 
 
 @dataclass
@@ -128,6 +135,12 @@ class TokenizerHandler:
         self.tokenizer_id = uuid.uuid4().hex
         # When this tokenizer read its own announcement (None: not yet; without one, from 0).
         self.caught_up_at: float | None = 0.0
+        self.metrics: TokenizerMetrics | None = None  # see enable_metrics
+
+    def enable_metrics(self) -> TokenizerMetrics:
+        """Measure from now on (the service serves them with --metrics-port)."""
+        self.metrics = TokenizerMetrics()
+        return self.metrics
 
     def announcement(self) -> Outgoing:
         """Sent once at start, on the requests topic (see the module)."""
@@ -146,6 +159,7 @@ class TokenizerHandler:
         if isinstance(message, TokenizerAnnouncement):
             if message.tokenizer_id == self.tokenizer_id and self.caught_up_at is None:
                 self.caught_up_at = self.clock()
+                log.info("read back its own announcement: every request from before its start is known")
             return []  # another's: an earlier tokenizer's, read again
         request_id = message.request_id
         if isinstance(message, AbortRequest):
@@ -168,11 +182,18 @@ class TokenizerHandler:
                 return []  # a redelivered request
             error = f"request id {request_id!r} was used by a request that ended recently; use a fresh id"
             return [error_event(request_id, error, ErrorKind.INVALID_REQUEST, headers)]
+        span = tracing.start_span("tokenize", headers, attributes={"parkade.request_id": request_id})
         try:
             request, stream = self.frontend.make_request_from(message)
         except Exception as error:  # a bad prompt or chat template fails this request only
+            span.set_status(tracing.trace.Status(tracing.trace.StatusCode.ERROR, str(error)))
+            span.end()
             self.finished.add(request_id, source)
             return [error_event(request_id, str(error), ErrorKind.INVALID_REQUEST, headers)]
+        span.set_attribute("parkade.prompt_tokens", len(request.prompt_token_ids))
+        span.end()
+        if self.metrics is not None:
+            self.metrics.requests.inc()
         open_ = self.streams[request_id] = _Open(stream, headers, source, self.generated_position)
         orphan = self.orphans.pop(request_id, None)
         if orphan is None:
@@ -308,6 +329,10 @@ class TokenizerHandler:
         update = open_.stream.update(message)
         if update is None:
             return []  # a redelivered message
+        if open_.span is None and tracing.enabled():
+            # The way back: from the first generated tokens to the request's last token event.
+            attributes = {"parkade.request_id": request_id}
+            open_.span = tracing.start_span("detokenize", open_.headers, attributes=attributes)
         out: list[Outgoing] = []
         if update.stop_scheduler:
             finish = FinishRequest(
@@ -344,4 +369,7 @@ class TokenizerHandler:
 
     def _close(self, request_id: str) -> None:
         open_ = self.streams.pop(request_id)
+        if open_.span is not None:
+            open_.span.set_attribute("parkade.output_tokens", open_.stream.next_index)
+            open_.span.end()
         self.finished.add(request_id, open_.source)

@@ -66,7 +66,7 @@ async def run(
                 headers = tuple(h for h in headers if h[0] != topics.REPLY_TOPIC)
                 error_text = f"the reply topic {reply!r} could not be created: {error}"
                 request_id = getattr(message, "request_id", "")
-                return [error_event(request_id, error_text, ErrorKind.INVALID_REQUEST, headers)]
+                return [error_event(request_id, error_text, ErrorKind.UNAVAILABLE, headers)]
         return handler.on_request(message, headers, (record.topic, record.partition, record.offset))
 
     await serve(
@@ -87,6 +87,7 @@ async def run(
         stop=stop,
         ready=ready,
         on_send_error=handler.on_send_error,
+        metrics=handler.metrics,
     )
 
 

@@ -43,6 +43,7 @@ def run_with_gateway(
         stop, url = asyncio.Event(), asyncio.get_running_loop().create_future()
         try:
             async with running_pipeline(bus, STORIES, prefix=prefix, **{**ENGINE, **kw}) as pipeline:
+                pipeline.prefix = prefix  # for a test that reads the topics
                 gateway = asyncio.create_task(
                     serve(
                         bootstrap,
@@ -65,6 +66,24 @@ def run_with_gateway(
             await bus.close()
 
     return asyncio.run(main())
+
+
+async def final_events(bootstrap: str, topic: str) -> list:
+    """The scheduler's final GeneratedTokens on `topic` (the generated topic), in order."""
+    from aiokafka import AIOKafkaConsumer
+
+    decoder = topics.TopicDecoder(topics.GENERATED)
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        records = [r for batch in (await consumer.getmany(timeout_ms=2000)).values() for r in batch]
+    finally:
+        await consumer.stop()
+    events = []
+    for record in records:
+        message = decoder.decode(record.value, dict(record.headers).get(topics.CONTENT_TYPE))
+        events += getattr(message, "events", None) or [message]
+    return [e for e in events if getattr(e, "finish_reason", None) is not None]
 
 
 def expected_outputs(prompts, params):
@@ -162,20 +181,27 @@ def test_errors_are_answered_as_openai_clients_expect(bootstrap_servers):
             root = url.removesuffix("/v1")
             headers = {"Authorization": "Bearer secret"}
             large = await http.post(f"{url}/completions", content=b"x" * 200_000, headers=headers)
+
+            async def chunked():  # no Content-Length: counted as it arrives
+                for _ in range(20):
+                    yield b"x" * 10_000
+
+            large_chunked = await http.post(f"{url}/completions", content=chunked(), headers=headers)
             no_key = await http.post(f"{url}/completions", json={"prompt": "Hi"})
             open_paths = [(await http.get(f"{root}/{p}")).status_code for p in ("health", "metrics")]
             metrics = (await http.get(f"{root}/metrics")).text
             health = (await http.get(f"{root}/health")).json()
         await client.close()
         await unauthorized.close()
-        return seen, large, no_key, open_paths, metrics, health
+        return seen, (large, large_chunked), no_key, open_paths, metrics, health
 
     seen, large, no_key, open_paths, metrics, health = run_with_gateway(
         bootstrap_servers, body, api_key="secret"
     )
     assert all(body["param"] == name for name, body in seen.items()) and len(seen) == 5
     assert "more than the model's max_model_len=512" in seen["prompt"]["message"]
-    assert large.status_code == 413 and large.json()["error"]["type"] == "invalid_request_error"
+    assert [r.status_code for r in large] == [413, 413]
+    assert large[0].json()["error"]["type"] == "invalid_request_error"
     assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
     # /health and /metrics need no key; the in-process services send no heartbeats, so the
     # gateway reports them missing (a `parkade up` stack is healthy: test_up.py).
@@ -225,11 +251,13 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(bootstrap_serve
             with pytest.raises(httpx.ReadTimeout):
                 await http.post(f"{url}/completions", json={**request, "stream": False, "max_tokens": 500})
         await wait_idle(pipeline)
-        return held, streamed, (kv.num_blocks - kv.num_free_blocks, len(pipeline.scheduler.finished))
+        after = kv.num_blocks - kv.num_free_blocks, len(pipeline.scheduler.finished)
+        return held, streamed, after, await final_events(bootstrap_servers, f"{pipeline.prefix}generated")
 
-    held, streamed, waited = run_with_gateway(bootstrap_servers, body, max_model_len=512)
-    # Each request ended (aborted) long before its tokens, its blocks freed.
-    assert held > 0 and streamed == (0, 1) and waited == (0, 2)
+    held, streamed, after, finals = run_with_gateway(bootstrap_servers, body, max_model_len=512)
+    assert held > 0 and streamed == (0, 1) and after == (0, 2)  # blocks freed, both requests ended
+    # ... by an abort, long before their 500 tokens.
+    assert [(e.finish_reason, e.index < 400) for e in finals] == [("abort", True), ("abort", True)]
 
 
 def test_64_concurrent_streaming_clients_each_get_their_whole_stream_in_order(bootstrap_servers):

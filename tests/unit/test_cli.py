@@ -114,13 +114,19 @@ def test_up_refuses_settings_that_cannot_work(capsys):
     assert main(["up", *no_chunks]) == 2
     assert "max_num_batched_tokens (256) must be >= max_model_len (512)" in capsys.readouterr().err
     parse = build_parser().parse_args
-    assert up.check(parse(["up", *no_chunks, "--max-model-len", "256"])) is None
+    assert up.check(parse(["up", *no_chunks, "--max-model-len", "256", "--http-port", "0"])) is None
+    with socket.socket() as taken:  # the gateway's port, taken: refused before anything starts
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        problem = up.check(parse(["up", "--http-port", port]))
+    assert problem == f"HTTP port {port} on 127.0.0.1 is in use: pass another --http-port (0: a free one)"
 
 
 def test_up_says_in_one_line_that_the_given_broker_does_not_answer(monkeypatch, capsys):
     bootstrap = f"127.0.0.1:{_free_port()}"
     monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", bootstrap)
-    assert main(["up", "--broker-wait", "0.5"]) == 1
+    assert main(["up", "--broker-wait", "0.5", "--http-port", "0"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith(f"parkade up: cannot reach the broker at {bootstrap} ($KAFKA_BOOTSTRAP_SERVERS)")

@@ -1,0 +1,18 @@
+"""The executor service's metrics (see `services/common/metrics.py`): the time of each step's
+forward pass and sampling, and the tokens it computed."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+from parkade.services.common.metrics import STEP_BUCKETS, ServiceMetrics
+
+
+class ExecutorMetrics(ServiceMetrics):
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_time = self.histogram(
+            "parkade:step_time_seconds", "one step: inputs, forward, sampling", STEP_BUCKETS
+        )
+        self.steps = Counter("parkade:steps", "steps run", registry=self.registry)
+        self.failed_steps = Counter("parkade:failed_steps", "steps that failed", registry=self.registry)
