@@ -63,12 +63,13 @@ async def _completed(value: object) -> object:
     return value
 
 
-async def _outcomes(acks: list[Awaitable[object]]) -> list[Outcome]:
+async def _outcomes(acks: list[Awaitable[object]], topics: list[str]) -> list[Outcome]:
     outcomes: list[Outcome] = []
-    for result in await asyncio.gather(*acks, return_exceptions=True):
+    for result, topic in zip(await asyncio.gather(*acks, return_exceptions=True), topics, strict=True):
         if isinstance(result, _RECORD_ERRORS):
             outcomes.append(RecordRejected(f"{type(result).__name__}: {result}"))
         elif isinstance(result, BaseException):
+            result.add_note(f"sending a record to {topic}")
             raise result
         else:
             outcomes.append(result.offset)  # RecordMetadata
@@ -204,7 +205,7 @@ class KafkaBus:
                 acks.append(await producer.send(r.topic, r.value, key=r.key, headers=list(r.headers)))
             except _RECORD_ERRORS as error:  # the producer's own size check
                 acks.append(_completed(error))
-        return _outcomes(acks)
+        return _outcomes(acks, [r.topic for r in records])
 
     async def create_topics(self, topics: list[str], *, single_partition: bool = True) -> None:
         """Create missing topics with one partition each, and (`single_partition`) refuse existing

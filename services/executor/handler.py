@@ -44,7 +44,7 @@ class ExecutorHandler:
         self.epoch = 0
         self.num_heartbeats = 0
         self.num_failed_steps = 0
-        self.traceparents: dict[str, str] = {}  # per request, while tracing is on: its spans' context
+        self.links: dict[str, list] = {}  # per request, while tracing is on: the link to its span
         self.metrics: ExecutorMetrics | None = None  # see enable_metrics
 
     def enable_metrics(self) -> ExecutorMetrics:
@@ -111,18 +111,17 @@ class ExecutorHandler:
         """The step's span, linked to the requests it serves, and a prefill span in the trace of
         each request it starts (see services/common/tracing.py)."""
         for request_id in (*plan.finished_request_ids, *plan.preempted_request_ids):
-            self.traceparents.pop(request_id, None)
+            self.links.pop(request_id, None)
         tracer = tracing.tracer()
         spans = []
         for new in plan.new_requests:
             if new.traceparent:
-                self.traceparents[new.request_id] = new.traceparent
+                # Parsed once per request: each step links to every request it serves.
+                self.links[new.request_id] = tracing.link_to(new.traceparent)
                 context = tracing.context_of_traceparent(new.traceparent)
                 attributes = {"parkade.request_id": new.request_id, "parkade.step_id": plan.step_id}
                 spans.append(tracer.start_span("executor.prefill", context=context, attributes=attributes))
-        links = [
-            link for r in plan.num_scheduled_tokens for link in tracing.link_to(self.traceparents.get(r))
-        ]
+        links = [link for r in plan.num_scheduled_tokens for link in self.links.get(r, ())]
         attributes = {
             "parkade.step_id": plan.step_id,
             "parkade.num_tokens": plan.total_num_scheduled_tokens,

@@ -73,13 +73,15 @@ finish() {
             "${COMPOSE[@]}" logs --no-color --tail=40
         fi
         if ((KEEP)); then
-            say "--keep: the stack is still up (${COMPOSE[*]} down -v)"
+            say "--keep: the stack is still up; to stop it:"
+            echo "PARKADE_TANSU_BIN=$PARKADE_TANSU_BIN PARKADE_TEST_OTLP_DIR=$PARKADE_TEST_OTLP_DIR ${COMPOSE[*]} down -v"
         else
             say "docker-compose down -v"
             "${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1
         fi
     fi
     ((MADE_WHEELS)) && rm -rf "$ROOT/wheels"
+    rm -rf "$WORK/rootfs"  # a debootstrap cut short: 300 MB that tell nothing
     if [[ -n "$DOCKERD_PID" ]] && ! ((KEEP)); then
         kill "$DOCKERD_PID" 2>/dev/null && wait "$DOCKERD_PID" 2>/dev/null
     fi
@@ -87,7 +89,8 @@ finish() {
     cat "$SUMMARY" 2>/dev/null
     if ((status == 0)); then
         echo "compose test: passed"
-        rm -rf "$WORK"
+        # --keep: the stack still writes there (the OTLP sink)
+        if ((KEEP)); then echo "files: $WORK"; else rm -rf "$WORK"; fi
     else
         echo "compose test: FAILED (exit $status); logs and files kept in $WORK"
     fi

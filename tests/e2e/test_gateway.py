@@ -90,7 +90,7 @@ def expected_outputs(prompts, params):
     return [o.outputs[0] for o in LLM(STORIES, dtype="float32", **ENGINE).generate(prompts, params)]
 
 
-def test_the_openai_package_gets_the_in_process_engines_text_streaming_or_not(bootstrap_servers):
+def test_the_openai_package_gets_the_in_process_engines_text_streaming_or_not(module_broker):
     greedy = expected_outputs(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=24, logprobs=2))
     stopped = expected_outputs(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=24, stop=["Lily"]))[0]
 
@@ -127,7 +127,7 @@ def test_the_openai_package_gets_the_in_process_engines_text_streaming_or_not(bo
         await client.close()
         return out
 
-    out = run_with_gateway(bootstrap_servers, body)
+    out = run_with_gateway(module_broker, body)
     batch = out["batch"]
     assert [c.text for c in batch.choices] == [g.text for g in greedy]
     assert [c.index for c in batch.choices] == [0, 1]
@@ -157,7 +157,7 @@ def test_the_openai_package_gets_the_in_process_engines_text_streaming_or_not(bo
     assert [m.id for m in out["models"].data] == [MODEL]
 
 
-def test_errors_are_answered_as_openai_clients_expect(bootstrap_servers):
+def test_errors_are_answered_as_openai_clients_expect(module_broker):
     async def body(pipeline, url):
         seen = {}
         client = openai.AsyncOpenAI(base_url=url, api_key="secret", max_retries=0)
@@ -196,7 +196,7 @@ def test_errors_are_answered_as_openai_clients_expect(bootstrap_servers):
         return seen, (large, large_chunked), no_key, open_paths, metrics, health
 
     seen, large, no_key, open_paths, metrics, health = run_with_gateway(
-        bootstrap_servers, body, api_key="secret"
+        module_broker, body, api_key="secret"
     )
     assert all(body["param"] == name for name, body in seen.items()) and len(seen) == 5
     assert "more than the model's max_model_len=512" in seen["prompt"]["message"]
@@ -210,7 +210,7 @@ def test_errors_are_answered_as_openai_clients_expect(bootstrap_servers):
     assert 'parkade:gateway_requests_total{endpoint="/v1/completions",status="400"} 4.0' in metrics
 
 
-def test_an_overloaded_pipeline_answers_429_and_serves_the_rest(bootstrap_servers):
+def test_an_overloaded_pipeline_answers_429_and_serves_the_rest(module_broker):
     async def body(pipeline, url):
         async with httpx.AsyncClient(timeout=120) as http:
 
@@ -221,7 +221,7 @@ def test_an_overloaded_pipeline_answers_429_and_serves_the_rest(bootstrap_server
             return await asyncio.gather(*(one(i) for i in range(24)))
 
     options = SchedulingOptions(max_num_seqs=2, max_waiting_requests=2)
-    answers = run_with_gateway(bootstrap_servers, body, options=options)
+    answers = run_with_gateway(module_broker, body, options=options)
     codes = [a.status_code for a in answers]
     # All arrive before a step: two wait (the bound), the rest are refused at once.
     assert set(codes) == {200, 429} and codes.count(200) >= 2, codes
@@ -230,7 +230,7 @@ def test_an_overloaded_pipeline_answers_429_and_serves_the_rest(bootstrap_server
     assert all(a.json()["usage"]["completion_tokens"] == 16 for a in answers if a.status_code == 200)
 
 
-def test_a_client_that_disconnects_mid_stream_aborts_its_request(bootstrap_servers):
+def test_a_client_that_disconnects_mid_stream_aborts_its_request(module_broker):
     async def body(pipeline, url):
         request = {"prompt": PROMPTS[0], "max_tokens": 500, "ignore_eos": True, "stream": True}
         async with (
@@ -252,15 +252,15 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(bootstrap_serve
                 await http.post(f"{url}/completions", json={**request, "stream": False, "max_tokens": 500})
         await wait_idle(pipeline)
         after = kv.num_blocks - kv.num_free_blocks, len(pipeline.scheduler.finished)
-        return held, streamed, after, await final_events(bootstrap_servers, f"{pipeline.prefix}generated")
+        return held, streamed, after, await final_events(module_broker, f"{pipeline.prefix}generated")
 
-    held, streamed, after, finals = run_with_gateway(bootstrap_servers, body, max_model_len=512)
+    held, streamed, after, finals = run_with_gateway(module_broker, body, max_model_len=512)
     assert held > 0 and streamed == (0, 1) and after == (0, 2)  # blocks freed, both requests ended
     # ... by an abort, long before their 500 tokens.
     assert [(e.finish_reason, e.index < 400) for e in finals] == [("abort", True), ("abort", True)]
 
 
-def test_64_concurrent_streaming_clients_each_get_their_whole_stream_in_order(bootstrap_servers):
+def test_64_concurrent_streaming_clients_each_get_their_whole_stream_in_order(module_broker):
     prompts = [f"{PROMPTS[i % len(PROMPTS)]}{' and' * (i // len(PROMPTS))}" for i in range(64)]
     expected = expected_outputs(prompts, SamplingParams(temperature=0, max_tokens=16))
 
@@ -279,7 +279,7 @@ def test_64_concurrent_streaming_clients_each_get_their_whole_stream_in_order(bo
         kv = pipeline.scheduler.scheduler.kv
         return results, kv.num_free_blocks == kv.num_blocks
 
-    results, all_free = run_with_gateway(bootstrap_servers, body)
+    results, all_free = run_with_gateway(module_broker, body)
     for chunks, want in zip(results, expected, strict=True):
         assert "".join(c.choices[0].text for c in chunks) == want.text
         reasons = [c.choices[0].finish_reason for c in chunks]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import msgspec
 import pytest
 from hf_reference import STORIES
 from opentelemetry.sdk.trace import TracerProvider
@@ -16,7 +17,7 @@ from pipeline import running_pipeline, wait_idle
 
 from parkade import SamplingParams
 from parkade.client import Client
-from parkade.schemas import topics
+from parkade.schemas import GenerateRequest, topics
 from parkade.services.bus.kafka import KafkaBus
 from parkade.services.common import tracing
 
@@ -50,6 +51,9 @@ def test_one_requests_spans_from_every_service_share_its_trace(bootstrap_servers
                     request_id = await client.submit(prompt="Once upon a time", sampling_params=params,
                                                      traceparent=traceparent)  # fmt: skip
                     events = [e async for e in client.stream(request_id)]
+                    # A request from a client that sends no trace context (kcat, plain Kafka).
+                    plain = GenerateRequest(request_id="plain", prompt="Lily", sampling_params=params)
+                    await bus.send(f"{prefix}requests", msgspec.msgpack.encode(plain), key=b"plain")
                 await wait_idle(p)
                 await asyncio.sleep(0.2)  # the tokenizer's last span ends as its last event goes
                 return events
@@ -77,6 +81,12 @@ def test_one_requests_spans_from_every_service_share_its_trace(bootstrap_servers
     ]  # fmt: skip
     assert len(steps) >= 6 and all(s.attributes["parkade.num_seqs"] == 1 for s in steps)
     assert all(f"{s.context.trace_id:032x}" != trace_id for s in steps)
+    # Without a context from its client, a request's trace starts at the tokenizer: still one.
+    plain = [s for s in spans.get_finished_spans() if s.attributes.get("parkade.request_id") == "plain"]
+    plain_traces = {f"{s.context.trace_id:032x}" for s in plain}
+    assert len(plain_traces) == 1
+    names = {s.name for s in plain}
+    assert names == {"tokenize", "scheduler.request", "scheduler.queue", "executor.prefill", "detokenize"}
     # Nothing is recorded once tracing is off again.
     tracing.install(None)
     assert not tracing.start_span("x").is_recording()
