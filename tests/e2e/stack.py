@@ -10,6 +10,17 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+# NOTE: Tansu 0.6 (memory mode) sometimes answers every produce to one of a test's fresh topics
+# with NOT_LEADER_OR_FOLLOWER until aiokafka gives up (40 s): the service whose send failed
+# stops, as it is built to (under `parkade up` it is restarted and goes on from the log), and the
+# test, which runs the services as tasks and restarts none, waits for an answer that cannot come.
+# Seen in about one full run of three on 2026-12-01, at the pre-session commit 550cb0c as well;
+# not reproduced outside the services (topic creation, concurrent producers, reply topics). The
+# tests that run services in-process retry once when that error is in their failure's chain.
+TANSU_NOT_LEADER = pytest.mark.flaky(reruns=1, only_rerun=["NotLeaderForPartitionError"])
+
 START_TIMEOUT_S = 300  # a cold start on a busy 2-core machine: broker, imports, model load
 STOP_TIMEOUT_S = 60
 

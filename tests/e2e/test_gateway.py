@@ -15,6 +15,7 @@ import openai
 import pytest
 from hf_reference import STORIES
 from pipeline import running_pipeline, wait_idle
+from stack import TANSU_NOT_LEADER
 
 from parkade import LLM, SamplingParams
 from parkade.schemas import topics
@@ -23,7 +24,7 @@ from parkade.services.gateway.handler import GatewayHandler, GatewayOptions
 from parkade.services.gateway.main import serve
 from parkade.services.scheduler.config import SchedulingOptions
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, TANSU_NOT_LEADER]
 
 ENGINE = dict(max_model_len=256, block_size=16)
 MODEL = "stories260K"

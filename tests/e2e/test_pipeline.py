@@ -19,13 +19,14 @@ import msgspec
 import pytest
 from hf_reference import STORIES
 from pipeline import running_pipeline, wait_idle
+from stack import TANSU_NOT_LEADER
 
 from parkade import LLM, SamplingParams
 from parkade.client import Client, _Stream
 from parkade.schemas import topics
 from parkade.services.bus.kafka import KafkaBus
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, TANSU_NOT_LEADER]
 
 OPENINGS = [
     "Once upon a time",

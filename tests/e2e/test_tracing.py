@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pipeline import running_pipeline, wait_idle
+from stack import TANSU_NOT_LEADER
 
 from parkade import SamplingParams
 from parkade.client import Client
@@ -21,7 +22,7 @@ from parkade.schemas import GenerateRequest, topics
 from parkade.services.bus.kafka import KafkaBus
 from parkade.services.common import tracing
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, TANSU_NOT_LEADER]
 
 
 @pytest.fixture
