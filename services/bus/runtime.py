@@ -97,18 +97,8 @@ def run_service(
         return 2
     except KeyboardInterrupt:  # Ctrl-C while loading: a normal stop
         return 0
-    if args.metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        try:
-            start_http_server(
-                args.metrics_port, args.metrics_host, registry=handler.enable_metrics().registry
-            )
-        except OSError as error:
-            print(
-                f"parkade {name}: cannot serve metrics on port {args.metrics_port}: {error}", file=sys.stderr
-            )
-            return 1
+    if args.metrics_port is not None and not serve_metrics(name, args, handler.enable_metrics().registry):
+        return 1
 
     async def serve_forever(stop: asyncio.Event) -> None:
         await on_kafka(
@@ -138,6 +128,19 @@ def run_service(
         return EXIT_DUPLICATE
     finally:
         tracing.shutdown()  # what is buffered goes out
+
+
+def serve_metrics(name: str, args: argparse.Namespace, registry: Any) -> bool:
+    """Serve `registry` at --metrics-host:--metrics-port/metrics (a thread); False after saying
+    in one line why it cannot."""
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(args.metrics_port, args.metrics_host, registry=registry)
+    except OSError as error:
+        print(f"parkade {name}: cannot serve metrics on port {args.metrics_port}: {error}", file=sys.stderr)
+        return False
+    return True
 
 
 async def on_kafka(

@@ -516,19 +516,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from parkade.services.bus.kafka import BrokerUnreachableError
-    from parkade.services.bus.runtime import run_until_signalled
+    from parkade.services.bus.runtime import run_until_signalled, serve_metrics
 
     metrics = GatewayMetrics()  # at /metrics; also at --metrics-port when given, as every service's
-    if args.metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        try:
-            start_http_server(args.metrics_port, args.metrics_host, registry=metrics.registry)
-        except OSError as error:
-            print(
-                f"parkade gateway: cannot serve metrics on port {args.metrics_port}: {error}", file=sys.stderr
-            )
-            return 1
+    if args.metrics_port is not None and not serve_metrics("gateway", args, metrics.registry):
+        return 1
 
     async def serve_until(stop: asyncio.Event) -> None:
         await serve(
