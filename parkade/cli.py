@@ -220,6 +220,13 @@ def _topics(args: argparse.Namespace) -> int:
         )
         return 2
     names = topics.all_topic_names(args.topic_prefix)
+    from parkade.services.bus.security import client_settings
+
+    try:
+        client_settings(os.environ)
+    except ValueError as error:
+        print(f"parkade topics: {error}", file=sys.stderr)
+        return 2
 
     async def create() -> None:
         await wait_for_broker(args.bootstrap_servers, timeout_s=args.broker_wait)

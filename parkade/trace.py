@@ -24,8 +24,10 @@ BAR_WIDTH = 40
 def load(path: Path) -> list[dict[str, Any]]:
     spans = []
     for line in path.read_text().splitlines():
-        if line.strip():
+        try:
             spans.append(json.loads(line))
+        except json.JSONDecodeError:  # blank, or the last line while a service writes it
+            continue
     return spans
 
 
@@ -34,7 +36,8 @@ def request_spans(spans: list[dict[str, Any]], request_id: str) -> list[dict[str
 
     def names_it(span: dict[str, Any]) -> bool:
         named = str(span["attributes"].get("parkade.request_id", ""))
-        return named == request_id or named.startswith(f"{request_id}-")
+        choice = named.removeprefix(f"{request_id}-")  # the gateway's choice i: `<id>-<i>`
+        return named == request_id or (choice != named and choice.isdigit())
 
     trace_ids = {s["trace_id"] for s in spans if names_it(s)}
     mine = [s for s in spans if s["trace_id"] in trace_ids]

@@ -88,6 +88,13 @@ def run_service(
     if not args.bootstrap_servers:
         parser.error("no broker: pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS")
     _exit_on_sigterm()
+    from parkade.services.bus.security import client_settings
+
+    try:
+        client_settings(os.environ)  # TLS/SASL settings that cannot work: one line, now
+    except ValueError as error:
+        print(f"parkade {name}: {error}", file=sys.stderr)
+        return 2
     logs.configure(name)
     tracing.configure(name, os.environ)
     try:

@@ -51,7 +51,11 @@ class _ConsumerLag(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("parkade:consumer_lag", "records not read yet, by topic", labels=["topic"])
         for highwaters, positions in self.sources:
-            for topic, end in highwaters().items():
+            try:
+                ends = highwaters()
+            except Exception:  # a consumer stopping or reassigned under this (HTTP) thread
+                continue
+            for topic, end in ends.items():
                 if topic in positions:  # not before the first record: its start is unknown here
                     family.add_metric([topic], max(end - positions[topic], 0))
         yield family

@@ -54,6 +54,8 @@ def tracing_requested(environ: Mapping[str, str]) -> bool:
     if environ.get("OTEL_SDK_DISABLED", "").lower() in _TRUE:
         return False
     exporter = environ.get("OTEL_TRACES_EXPORTER", "").lower()
+    if exporter == "none":  # the standard off switch (OTLP settings may be for other signals)
+        return bool(environ.get("PARKADE_TRACE_FILE"))
     return bool(
         environ.get("PARKADE_TRACE_FILE")
         or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -79,7 +81,7 @@ def configure(service: str, environ: Mapping[str, str]) -> Any | None:
     exporter = environ.get("OTEL_TRACES_EXPORTER", "").lower()
     if exporter == "console":
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
-    elif (
+    elif exporter != "none" and (
         exporter == "otlp"
         or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -113,6 +115,12 @@ def context_of(headers: Sequence[tuple[str, bytes]]) -> Context | None:
     """The trace context a record's `traceparent` header carries (None: none)."""
     value = next((v for k, v in headers if k == "traceparent"), None)
     return context_of_traceparent(value.decode(errors="replace")) if value else None
+
+
+def carries_context(headers: Sequence[tuple[str, bytes]]) -> bool:
+    """Whether the headers hold a valid W3C trace context (not merely a `traceparent` header)."""
+    context = context_of(headers)
+    return context is not None and trace.get_current_span(context).get_span_context().is_valid
 
 
 def context_of_traceparent(traceparent: str | None) -> Context | None:

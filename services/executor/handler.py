@@ -75,12 +75,12 @@ class ExecutorHandler:
             return []  # for a replaced executor
         if plan.scheduler_id != self.scheduler_id:
             # A new scheduler: its step ids start again, and it knows none of the old requests.
-            self.executor.reset()
+            self._reset()
             self.scheduler_id, self.last_step_id, self.epoch = plan.scheduler_id, 0, plan.epoch
         if plan.epoch < self.epoch:
             return []  # made before the scheduler heard of a failure: void
         if plan.epoch > self.epoch:
-            self.executor.reset()  # the scheduler recomputes every request from here
+            self._reset()  # the scheduler recomputes every request from here
             self.epoch, self.last_step_id = plan.epoch, 0  # step ids are new in a new epoch
         if plan.step_id <= self.last_step_id:
             return []  # redelivered
@@ -91,8 +91,6 @@ class ExecutorHandler:
             result = self.executor.execute(plan)
         except Exception as error:
             log.exception("step %d failed; dropping every request's state", plan.step_id)
-            if self.metrics is not None:
-                self.metrics.failed_steps.inc()
             for span in spans:
                 span.set_status(tracing.trace.Status(tracing.trace.StatusCode.ERROR, str(error)))
                 span.end()
@@ -139,11 +137,18 @@ class ExecutorHandler:
         cause = RuntimeError(f"the step's result could not be sent: {error}")
         return [Outgoing(topics.STEP_RESULTS, self._failed(result, cause))]
 
+    def _reset(self) -> None:
+        """Drop every request's state; the scheduler sends each live request again as new."""
+        self.executor.reset()
+        self.links.clear()
+
     def _failed(self, step: StepPlan | StepResult, error: Exception) -> StepResult:
         """The answer to a step that failed. Its request state may be half updated (a block
         table extended, a token appended), so all of it goes: the next epoch starts empty."""
         self.num_failed_steps += 1
-        self.executor.reset()
+        if self.metrics is not None:
+            self.metrics.failed_steps.inc()
+        self._reset()
         self.epoch, self.last_step_id = step.epoch + 1, 0
         return StepResult(
             step_id=step.step_id,

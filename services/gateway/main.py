@@ -507,6 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.bootstrap_servers:
         parser.error("no broker: pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS")
     options = GatewayOptions(**flag_values(FLAGS, args))
+    from parkade.services.bus.security import client_settings
+
+    try:
+        client_settings(os.environ)  # TLS/SASL settings that cannot work: one line, now
+    except ValueError as error:
+        print(f"parkade gateway: {error}", file=sys.stderr)
+        return 2
     logs.configure("gateway")
     tracing.configure("gateway", os.environ)
     try:

@@ -145,9 +145,7 @@ class SchedulerHandler:
     def announcement(self) -> Outgoing:
         """Sent once at start: the end of what `recover` reads, and for the tokenizer the news
         that its streams go on (this scheduler resumes its predecessor's requests)."""
-        return Outgoing(
-            topics.GENERATED, SchedulerAnnouncement(scheduler_id=self.scheduler_id, resumes=True)
-        )
+        return Outgoing(topics.GENERATED, SchedulerAnnouncement(scheduler_id=self.scheduler_id, resumes=True))
 
     def recover(self, start: int, messages: Iterable[object]) -> None:
         """Rebuild from the generated topic's records from offset `start` up to this scheduler's
@@ -158,7 +156,9 @@ class SchedulerHandler:
             events = (
                 message.events
                 if isinstance(message, GeneratedBatch)
-                else (message,) if isinstance(message, GeneratedTokens) else ()
+                else (message,)
+                if isinstance(message, GeneratedTokens)
+                else ()
             )
             for event in events:
                 if event.finish_reason is not None:
@@ -239,6 +239,8 @@ class SchedulerHandler:
             for request_id in list(self.scheduler.requests):
                 error = "the executor was replaced by one with another KV pool"
                 out.append(self._refused(request_id, error, ErrorKind.UNAVAILABLE))
+            if self.metrics is not None:
+                self.metrics.carry_over(self.scheduler, whole=True)
             self.scheduler = None
         try:
             self.scheduler = Scheduler(SchedulerConfig.build(self.options, geometry))
@@ -326,7 +328,10 @@ class SchedulerHandler:
 
     def _refused(self, request_id: str, error: str, kind: ErrorKind) -> Outgoing:
         log.info(
-            "request refused (%s): %s", kind, error, extra={**logs.request(request_id), "reason": str(kind)}
+            "request refused (%s): %s",
+            kind,
+            error,
+            extra={**logs.request(request_id, self.headers.get(request_id, ())), "reason": str(kind)},
         )
         event = GeneratedTokens(
             request_id=request_id,
@@ -382,7 +387,11 @@ class SchedulerHandler:
             )
             return self._on_failed_step(message, failed)
         if isinstance(message, GeneratedBatch) and len(message.events) > 1:
-            return [self._generated(event) for event in message.events]
+            # Each event again, alone; its bookkeeping (spans, metrics, tables) was done once.
+            return [
+                Outgoing(topics.GENERATED, event, event.request_id, self.headers.get(event.request_id, ()))
+                for event in message.events
+            ]
         return [rejected_letter(out, error)]
 
     def _on_failed_step(self, plan: StepPlan, result: StepResult) -> list[Outgoing]:
@@ -419,6 +428,8 @@ class SchedulerHandler:
         self.in_flight.clear()
         self.epoch = self.epoch + 1 if epoch is None else epoch
         if self.scheduler is not None:
+            if self.metrics is not None:
+                self.metrics.carry_over(self.scheduler, whole=False)  # a new KV manager follows
             self.scheduler.reset_executor(suspects or ())
 
     def check_executor(self) -> list[Outgoing]:

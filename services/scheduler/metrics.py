@@ -50,10 +50,20 @@ class SchedulerMetrics(ServiceMetrics):
         )
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # Counts of KV managers and schedulers replaced since (a reset, a new executor's pool):
+        # the exported counters never go back.
+        self.carried = {"num_prefix_queries": 0, "num_prefix_hits": 0, "num_preemptions": 0}
         self._arrival: dict[str, float] = {}  # request_id -> arrival_time, until admitted
         self._started: dict[str, float] = {}  # request_id -> arrival_time, until finished
         self._last_token: dict[str, float] = {}  # request_id -> when its last token came
         self._sent: dict[int, float] = {}  # step_id -> when its plan went out
+
+    def carry_over(self, scheduler: Any, *, whole: bool) -> None:
+        """Before `scheduler`'s KV manager (`whole`: the scheduler itself) is replaced."""
+        self.carried["num_prefix_queries"] += scheduler.kv.num_prefix_queries
+        self.carried["num_prefix_hits"] += scheduler.kv.num_prefix_hits
+        if whole:
+            self.carried["num_preemptions"] += scheduler.num_preemptions
 
     def arrived(self, request: EngineRequest) -> None:
         self.num_prompt_tokens += len(request.prompt_token_ids)
@@ -125,9 +135,9 @@ class _SchedulerState(Collector):
             "parkade:prefix_cache_hits": ("prompt tokens found in the prefix cache", "num_prefix_hits"),
         }
         for name, (documentation, attribute) in counters.items():
-            value = getattr(scheduler.kv, attribute) if scheduler else 0
+            value = metrics.carried[attribute] + (getattr(scheduler.kv, attribute) if scheduler else 0)
             yield CounterMetricFamily(name, documentation, value=value)
-        preemptions = scheduler.num_preemptions if scheduler else 0
+        preemptions = metrics.carried["num_preemptions"] + (scheduler.num_preemptions if scheduler else 0)
         yield CounterMetricFamily("parkade:num_preemptions", "preemptions", value=preemptions)
         yield CounterMetricFamily("parkade:prompt_tokens", "prompt tokens", value=metrics.num_prompt_tokens)
         yield CounterMetricFamily(

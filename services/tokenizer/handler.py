@@ -192,10 +192,11 @@ class TokenizerHandler:
             return [error_event(request_id, str(error), ErrorKind.INVALID_REQUEST, headers)]
         span.set_attribute("parkade.prompt_tokens", len(request.prompt_token_ids))
         span.end()
-        if tracing.enabled() and not any(k == "traceparent" for k, _ in headers):
-            # A request from a client that traces nothing (kcat, plain Kafka): its trace starts
-            # here, and every record about it carries it on, so that its spans are one trace.
-            headers = (*headers, ("traceparent", (tracing.traceparent_of(span) or "").encode()))
+        if tracing.enabled() and not tracing.carries_context(headers):
+            # A request from a client that traces nothing (kcat, plain Kafka), or whose context is
+            # malformed: its trace starts here, and every record about it carries it on.
+            own = (tracing.traceparent_of(span) or "").encode()
+            headers = (*(h for h in headers if h[0] != "traceparent"), ("traceparent", own))
         if self.metrics is not None:
             self.metrics.requests.inc()
         open_ = self.streams[request_id] = _Open(stream, headers, source, self.generated_position)

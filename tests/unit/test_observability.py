@@ -47,6 +47,10 @@ def test_tracing_is_on_only_when_the_environment_asks():
     assert tracing.tracing_requested({"OTEL_TRACES_EXPORTER": "console"})
     assert tracing.tracing_requested({"PARKADE_TRACE_FILE": "/tmp/x"})
     assert not tracing.tracing_requested({"PARKADE_TRACE_FILE": "/tmp/x", "OTEL_SDK_DISABLED": "true"})
+    off = {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}
+    assert not tracing.tracing_requested(off)  # the endpoint may be for metrics or logs
+    assert tracing.carries_context((("traceparent", TRACEPARENT),))
+    assert not tracing.carries_context((("traceparent", b"00-zz-yy-01"),)) and not tracing.carries_context(())
     assert tracing.configure("tokenizer", {}) is None and not tracing.enabled()
     assert not tracing.start_span("x", (("traceparent", TRACEPARENT),)).is_recording()
 
@@ -78,6 +82,7 @@ def test_a_trace_file_and_parkade_trace_show_one_requests_waterfall(tmp_path, ca
     shown = capsys.readouterr().out
     assert "scheduler.request" in shown and "executor.step x1" in shown and "█" in shown
     assert trace_cli.main("nope", path) == 1
+    assert trace_cli.request_spans(records, "r") == []  # an id is not a prefix of another
     assert trace_cli.main("r1", tmp_path / "missing.jsonl") == 2
 
 
@@ -96,6 +101,20 @@ def test_kafka_connection_settings_for_a_managed_cluster():
         security.client_settings({"KAFKA_SECURITY_PROTOCOL": "TLS"})
     with pytest.raises(ValueError, match="KAFKA_SASL_MECHANISM"):
         security.client_settings({"KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "KAFKA_SASL_MECHANISM": "GSSAPI"})
+
+
+def test_a_service_with_settings_that_cannot_work_says_so_in_one_line():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}
+    service = [sys.executable, "-m", "parkade.cli", "scheduler", "--bootstrap-servers", "127.0.0.1:1"]
+    result = subprocess.run(service, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == (
+        "parkade scheduler: SASL_SSL needs KAFKA_SASL_USERNAME and KAFKA_SASL_PASSWORD\n"
+    )
 
 
 def test_the_settings_reach_every_aiokafka_client_the_bus_makes(monkeypatch):
