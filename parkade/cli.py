@@ -212,6 +212,7 @@ def _trace(args: argparse.Namespace) -> int:
 def _topics(args: argparse.Namespace) -> int:
     from parkade.schemas import topics
     from parkade.services.bus.kafka import BrokerUnreachableError, KafkaBus, TopicLayoutError, wait_for_broker
+    from parkade.services.bus.runtime import connection_settings_ok
 
     if not args.bootstrap_servers:
         print(
@@ -220,12 +221,7 @@ def _topics(args: argparse.Namespace) -> int:
         )
         return 2
     names = topics.all_topic_names(args.topic_prefix)
-    from parkade.services.bus.security import client_settings
-
-    try:
-        client_settings(os.environ)
-    except ValueError as error:
-        print(f"parkade topics: {error}", file=sys.stderr)
+    if not connection_settings_ok("topics"):
         return 2
 
     async def create() -> None:

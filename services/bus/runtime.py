@@ -88,12 +88,7 @@ def run_service(
     if not args.bootstrap_servers:
         parser.error("no broker: pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS")
     _exit_on_sigterm()
-    from parkade.services.bus.security import client_settings
-
-    try:
-        client_settings(os.environ)  # TLS/SASL settings that cannot work: one line, now
-    except ValueError as error:
-        print(f"parkade {name}: {error}", file=sys.stderr)
+    if not connection_settings_ok(name):
         return 2
     logs.configure(name)
     tracing.configure(name, os.environ)
@@ -135,6 +130,19 @@ def run_service(
         return EXIT_DUPLICATE
     finally:
         tracing.shutdown()  # what is buffered goes out
+
+
+def connection_settings_ok(name: str) -> bool:
+    """False after saying in one line why the TLS/SASL settings of the environment (see
+    security.py) cannot work: before anything connects."""
+    from parkade.services.bus.security import client_settings
+
+    try:
+        client_settings(os.environ)
+    except ValueError as error:
+        print(f"parkade {name}: {error}", file=sys.stderr)
+        return False
+    return True
 
 
 def serve_metrics(name: str, args: argparse.Namespace, registry: Any) -> bool:

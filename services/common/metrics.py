@@ -18,7 +18,8 @@ from prometheus_client.registry import Collector
 
 # Seconds, from a warm prefix's milliseconds to minutes in a deep queue.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+# Seconds, for what takes a step or less: step times, gaps between tokens.
+SHORT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
 class ServiceMetrics:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
-from parkade.services.common.metrics import STEP_BUCKETS, ServiceMetrics
+from parkade.services.common.metrics import SHORT_BUCKETS, ServiceMetrics
 
 
 class ExecutorMetrics(ServiceMetrics):
     def __init__(self) -> None:
         super().__init__()
         self.step_time = self.histogram(
-            "parkade:step_time_seconds", "one step: inputs, forward, sampling", STEP_BUCKETS
+            "parkade:step_time_seconds", "one step: inputs, forward, sampling", SHORT_BUCKETS
         )
         self.steps = Counter("parkade:steps", "steps run", registry=self.registry)
         self.failed_steps = Counter("parkade:failed_steps", "steps that failed", registry=self.registry)

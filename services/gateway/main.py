@@ -43,7 +43,7 @@ from parkade.schemas import FinishReason, InstanceHeartbeat, TokenEvent, topics
 from parkade.services import PIPELINE
 from parkade.services.bus.base import RecordRejected
 from parkade.services.bus.client import PipelineGoneError, RequestClient
-from parkade.services.bus.runtime import service_parser
+from parkade.services.bus.runtime import connection_settings_ok, service_parser
 from parkade.services.common import logs, tracing
 from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
 from parkade.services.gateway.handler import GatewayHandler, GatewayOptions, Opened
@@ -507,12 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.bootstrap_servers:
         parser.error("no broker: pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS")
     options = GatewayOptions(**flag_values(FLAGS, args))
-    from parkade.services.bus.security import client_settings
-
-    try:
-        client_settings(os.environ)  # TLS/SASL settings that cannot work: one line, now
-    except ValueError as error:
-        print(f"parkade gateway: {error}", file=sys.stderr)
+    if not connection_settings_ok("gateway"):
         return 2
     logs.configure("gateway")
     tracing.configure("gateway", os.environ)

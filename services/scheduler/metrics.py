@@ -24,9 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from parkade.schemas import EngineRequest, GeneratedTokens, StepPlan
-from parkade.services.common.metrics import LATENCY_BUCKETS, STEP_BUCKETS, ServiceMetrics
+from parkade.services.common.metrics import LATENCY_BUCKETS, SHORT_BUCKETS, ServiceMetrics
 
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -37,7 +36,7 @@ class SchedulerMetrics(ServiceMetrics):
         self.ttft = self.histogram(
             "parkade:time_to_first_token_seconds", "arrival to first token", LATENCY_BUCKETS
         )
-        self.itl = self.histogram("parkade:inter_token_latency_seconds", "between tokens", _ITL_BUCKETS)
+        self.itl = self.histogram("parkade:inter_token_latency_seconds", "between tokens", SHORT_BUCKETS)
         self.e2e = self.histogram("parkade:e2e_request_latency_seconds", "arrival to finish", LATENCY_BUCKETS)
         self.queue_time = self.histogram(
             "parkade:request_queue_time_seconds", "arrival to first admission", LATENCY_BUCKETS
@@ -46,7 +45,7 @@ class SchedulerMetrics(ServiceMetrics):
             "parkade:iteration_tokens_total", "tokens per step", _TOKEN_BUCKETS
         )
         self.step_round_trip = self.histogram(
-            "parkade:step_round_trip_seconds", "a step plan sent to its result", STEP_BUCKETS
+            "parkade:step_round_trip_seconds", "a step plan sent to its result", SHORT_BUCKETS
         )
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
