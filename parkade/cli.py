@@ -56,12 +56,20 @@ _SAMPLING_HELP = {
     "ignore_eos": "keep generating past EOS",
     "include_stop_str_in_output": "keep the stop string at the end of the text",
     "skip_special_tokens": "leave special tokens out of the text",
+    "bad_words": "a word that may not be generated (repeatable)",
+    "truncate_prompt_tokens": "keep only the prompt's last k tokens",
 }
+# One stream of text is shown: what needs another shape (samples, logprobs, maps) is left to
+# the Python API and the topics.
+_NOT_FLAGS = (
+    "logprobs", "n", "prompt_logprobs", "spaces_between_special_tokens", "detokenize", "logit_bias",
+    "allowed_token_ids", "bad_words_token_ids", "output_kind",
+)  # fmt: skip
 # NOTE: the CLI's one departure from SamplingParams' defaults: 16 tokens is short for a look.
 _CLI_DEFAULTS = {"max_tokens": 64}
 GENERATION_FLAGS = [
     dataclasses.replace(flag, default=_CLI_DEFAULTS.get(flag.name, flag.default))
-    for flag in struct_flags(SamplingParams, _SAMPLING_HELP, exclude=("logprobs",))
+    for flag in struct_flags(SamplingParams, _SAMPLING_HELP, exclude=_NOT_FLAGS)
 ]
 
 

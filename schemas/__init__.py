@@ -15,12 +15,19 @@ from parkade.schemas.engine import (
 )
 from parkade.schemas.events import TokenEvent, Usage
 from parkade.schemas.instances import InstanceHeartbeat
-from parkade.schemas.requests import AbortRequest, ChatMessage, GenerateRequest, TokenizerAnnouncement
-from parkade.schemas.sampling import MAX_LOGPROBS, SamplingParams
+from parkade.schemas.requests import (
+    AbortRequest,
+    ChatMessage,
+    GenerateRequest,
+    TokenizerAnnouncement,
+    sample_request_id,
+)
+from parkade.schemas.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from parkade.schemas.steps import (
     CachedRequestData,
     ExecutorAnnouncement,
     NewRequestData,
+    PromptLogprobs,
     StepPlan,
     StepResult,
 )
@@ -42,6 +49,8 @@ __all__ = [
     "GeneratedTokens",
     "InstanceHeartbeat",
     "NewRequestData",
+    "PromptLogprobs",
+    "RequestOutputKind",
     "SamplingParams",
     "SchedulerAnnouncement",
     "StepPlan",
@@ -50,4 +59,5 @@ __all__ = [
     "TokenLogprobs",
     "TokenizerAnnouncement",
     "Usage",
+    "sample_request_id",
 ]

@@ -38,6 +38,7 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_reque
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
     arrival_time: float = 0.0
+    cache_salt: str | None = None  # see GenerateRequest
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -82,6 +83,9 @@ class GeneratedTokens(msgspec.Struct, frozen=True, kw_only=True, tag="generated_
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # with finish_reason "error": why the request was refused
     error_kind: ErrorKind | None = None  # with `error`
+    # On a request's first event, when its params asked for them: the logprobs of prompt
+    # tokens 1.. (entry 0 of each is the prompt token itself), as vLLM's `prompt_logprobs[1:]`.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 class GeneratedBatch(msgspec.Struct, frozen=True, kw_only=True, tag="generated_batch"):

@@ -20,8 +20,11 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="token_event"):
     """New output of one request: `token_ids` start at output position `index`; `text` is the
     new text (held back while it could still become a stop string).
 
-    The last event of a request has `finish_reason` and `usage`; a failed request gets one with
-    finish_reason "error", `error` (why) and `error_kind` (what a client may do about it).
+    A request with n > 1 samples streams each sample's events, told apart by `sample_index`
+    (0 .. n - 1), each with its own `index`. A sample's last event has `finish_reason`; the
+    request's last event (its last sample's) also has `usage`, for all samples. A failed request
+    gets one event with finish_reason "error", `error` (why) and `error_kind` (what a client may
+    do about it): it ends every sample.
     """
 
     request_id: str
@@ -34,3 +37,6 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="token_event"):
     usage: Usage | None = None
     error: str | None = None
     error_kind: ErrorKind | None = None
+    sample_index: int = 0
+    # On the first event of sample 0 when asked for: see GeneratedTokens.prompt_logprobs.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from parkade.schemas.sampling import SamplingParams
@@ -25,6 +27,15 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     sampling_params: SamplingParams = SamplingParams()
     priority: int = 0
     messages: tuple[ChatMessage, ...] | None = None
+    # Requests with different salts never share prefix-cache blocks (vLLM's `cache_salt`): a
+    # tenant's salt keeps others from learning its prompts by the timing of cache hits.
+    cache_salt: str | None = None
+    # How `messages` are rendered (vLLM's chat options): a Jinja template in place of the
+    # tokenizer's, the assistant turn opened, or the last (assistant) message continued.
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -36,6 +47,16 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
             raise ValueError("prompt_token_ids must be non-empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must be non-empty")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must be a non-empty string or unset")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
+
+
+def sample_request_id(request_id: str, index: int, n: int) -> str:
+    """The engine's id of sample `index` of a request with `n` samples: the request's own id
+    when n == 1, so that a single-sample request keeps its id end to end."""
+    return request_id if n == 1 else f"{request_id}#{index}"
 
 
 class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):

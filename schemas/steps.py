@@ -73,6 +73,15 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True, tag="step_plan"):
         return sum(self.num_scheduled_tokens.values())
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """Logprobs of one request's prompt tokens `start + 1 ..`, from the positions a step
+    computed (position p's logits give token p + 1's logprob)."""
+
+    request_id: str
+    start: int
+    logprobs: tuple[TokenLogprobs, ...]
+
+
 class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
     """The tokens sampled in step `step_id`, one per request that reached the end of its tokens."""
 
@@ -86,6 +95,7 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
     # Set when the step raised: nothing was sampled, and the executor dropped its request state
     # and moved to epoch + 1 (the scheduler recomputes every request there).
     error: str | None = None
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # of requests with prompt_logprobs set
 
 
 class ExecutorAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="executor_announcement"):
