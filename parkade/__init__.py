@@ -15,16 +15,30 @@ from parkade.schemas.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from parkade.engine.async_llm import AsyncLLM
+    from parkade.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from parkade.engine.llm import LLM
     from parkade.engine.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["DEFAULT_MODEL", "LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "LLM",
+    "AsyncLLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 _LAZY = {
     "LLM": "parkade.engine.llm",
     "AsyncLLM": "parkade.engine.async_llm",
     "RequestOutput": "parkade.engine.outputs",
     "CompletionOutput": "parkade.engine.outputs",
+    "BeamSearchParams": "parkade.engine.beam_search",
+    "BeamSearchOutput": "parkade.engine.beam_search",
+    "BeamSearchSequence": "parkade.engine.beam_search",
 }
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parkade import up
-from parkade.engine.args import EngineArgs
+from parkade.engine.args import ENGINE_ONLY_FIELDS, EngineArgs
 from parkade.schemas import FinishReason, SamplingParams, TokenEvent
 from parkade.services import SERVICES
 from parkade.services.common.flags import add_flags, dataclass_flags, flag_values, struct_flags
@@ -103,8 +103,9 @@ def _summary(finish_reason: str | None, num_tokens: int | None, request_id: str 
 
 # ---- parkade offline -------------------------------------------------------------------------
 # NOTE: not the engine's `seed`: here --seed seeds the one request, which is what a single prompt
-# needs.
-ENGINE_FLAGS = dataclass_flags(EngineArgs, exclude=("seed",))
+# needs. Nor the vLLM arguments only `LLM(...)` takes (ENGINE_ONLY_FIELDS): as flags of a one-prompt
+# command they would mean nothing.
+ENGINE_FLAGS = dataclass_flags(EngineArgs, exclude=("seed", *ENGINE_ONLY_FIELDS))
 
 
 def _offline(args: argparse.Namespace) -> int:

@@ -28,6 +28,10 @@ from parkade.schemas import SamplingParams
 
 
 class AsyncLLM:
+    """Takes the engine arguments `LLM` takes, with the same meanings and refusals (see `LLM`).
+    NOTE: disable_log_stats defaults to True here too (vLLM's AsyncEngineArgs: False): `parkade
+    offline` runs one prompt on it, and the services report through their metrics."""
+
     def __init__(
         self, model: str | Path = DEFAULT_MODEL, *, skip_tokenizer_init: bool = False, **kwargs: Any
     ) -> None:
@@ -35,7 +39,7 @@ class AsyncLLM:
             EngineArgs.from_kwargs(model=model, **kwargs), skip_tokenizer_init=skip_tokenizer_init
         )
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._pending: list[tuple[str, Any]] = []  # ("add", (request, stream)) | ("abort", request_id)
+        self._pending: list[tuple[str, Any]] = []  # ("add", RequestStream) | ("abort", request_id)
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._dead: EngineDeadError | None = None  # set once: a failed step, or shutdown
@@ -58,12 +62,10 @@ class AsyncLLM:
             raise self._dead
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request, stream = self.engine.prepare(
-            request_id, prompt, sampling_params or SamplingParams(), priority
-        )
+        stream = self.engine.prepare(request_id, prompt, sampling_params or SamplingParams(), priority)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._submit(("add", (request, stream)))
+        self._submit(("add", stream))
         finished = False
         try:
             while not finished:
@@ -95,11 +97,10 @@ class AsyncLLM:
         pending, self._pending = self._pending, []
         for kind, arg in pending:
             if kind == "add":
-                request, stream = arg
                 try:
-                    self.engine.add_prepared(request, stream)
+                    self.engine.add_prepared(arg)
                 except ValueError as error:  # this request's fault: fail its stream only
-                    queue = self._queues.pop(request.request_id, None)
+                    queue = self._queues.pop(arg.request_id, None)
                     if queue is not None:
                         queue.put_nowait(error)
             else:

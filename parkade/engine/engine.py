@@ -13,8 +13,10 @@ from parkade.engine.args import EngineArgs
 from parkade.engine.core import EngineCore
 from parkade.engine.output_processor import OutputProcessor
 from parkade.engine.outputs import RequestOutput
-from parkade.schemas import EngineRequest, FinishReason, SamplingParams
+from parkade.engine.stats import StatLogger
+from parkade.schemas import FinishReason, SamplingParams
 from parkade.services.common.model_config import ModelConfig
+from parkade.services.common.prompts import ChatOptions, ChatType
 from parkade.services.executor.build import build_executor
 from parkade.services.executor.executor import Executor
 from parkade.services.executor.options import ExecutorOptions
@@ -54,6 +56,7 @@ class Engine:
         )
         self.model_config, scheduler, executor = build_engine_parts(args)
         self.core = EngineCore(scheduler, executor)
+        self.stat_logger = None if args.disable_log_stats else StatLogger(scheduler)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @property
@@ -61,43 +64,70 @@ class Engine:
         return self.frontend.tokenizer
 
     def prepare(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
-    ) -> tuple[EngineRequest, RequestStream]:
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        chat: ChatOptions | None = None,
+        messages: ChatType | None = None,
+    ) -> RequestStream:
         """Tokenize and check a request without touching the scheduler or the executor, so that
         it may run beside a step in another thread (`AsyncLLM` does). NOTE: it advances the front
-        end's arrival clock: call it from one thread at a time.
+        end's arrival clock: call it from one thread at a time. `messages` (a chat, rendered as
+        `chat` says) stand in for `prompt`.
 
         Raises ValueError for a prompt that could never run."""
+        fields = {"messages": messages} if messages is not None else prompt_fields(prompt)
         request, stream = self.frontend.make_request(
-            request_id, **prompt_fields(prompt), sampling_params=params, priority=priority
+            request_id, **fields, sampling_params=params, priority=priority, chat=chat
         )
         self.core.scheduler.validate(request)
-        return request, stream
+        return stream
 
-    def add_prepared(self, request: EngineRequest, stream: RequestStream) -> None:
-        self.core.add_request(request)
+    def add_prepared(self, stream: RequestStream) -> None:
+        """Queue each of the request's samples, sample 0 first (see `FrontEnd.make_request`). If
+        the scheduler refuses one (overloaded), the ones queued are taken back and the error
+        raised."""
+        added: list[str] = []
+        try:
+            for request in stream.engine_requests:
+                self.core.add_request(request)
+                added.append(request.request_id)
+        except BaseException:
+            for engine_id in added:
+                self.core.finish_request(engine_id, FinishReason.ABORT)
+            raise
         self.output_processor.add_request(stream)
 
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> None:
-        self.add_prepared(*self.prepare(request_id, prompt, params, priority))
+        self.add_prepared(self.prepare(request_id, prompt, params, priority))
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Finish a request with finish_reason "abort"; its final output, or None if unknown."""
-        event = self.core.finish_request(request_id, FinishReason.ABORT)
-        if event is None:
-            self.output_processor.abort(request_id)
-            return None
-        outputs, _ = self.output_processor.process([event])
-        return outputs[0] if outputs else None
+        """Finish a request (every sample) with finish_reason "abort"; its final output, or None
+        if unknown or finished."""
+        events = [
+            event
+            for engine_id in self.output_processor.engine_request_ids(request_id)
+            if (event := self.core.finish_request(engine_id, FinishReason.ABORT)) is not None
+        ]
+        outputs, _ = self.output_processor.process(events)
+        self.output_processor.abort(request_id)  # (gone already, unless the scheduler knew none)
+        finished = [o for o in outputs if o.finished]
+        return finished[-1] if finished else None
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """One engine step; the outputs of every request that got a token or finished."""
-        outputs, stopped = self.output_processor.process(self.core.step())
-        for request_id, stop in stopped:
-            self.core.finish_request(request_id, FinishReason.STOP, stop)
+        events = self.core.step()
+        if self.stat_logger is not None:
+            self.stat_logger.record(events)
+        outputs, stopped = self.output_processor.process(events)
+        for engine_id, stop in stopped:
+            reason = FinishReason.STOP if stop is not None else FinishReason.ABORT
+            self.core.finish_request(engine_id, reason, stop)
         return outputs

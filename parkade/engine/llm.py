@@ -9,25 +9,42 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from tqdm.auto import tqdm
 
 from parkade.engine.args import EngineArgs
+from parkade.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from parkade.engine.engine import Engine
 from parkade.engine.outputs import RequestOutput
 from parkade.models import DEFAULT_MODEL
-from parkade.schemas import SamplingParams
-from parkade.services.tokenizer.frontend import PromptType
+from parkade.schemas import ChatMessage, RequestOutputKind, SamplingParams
+from parkade.services.common.prompts import ChatOptions, ChatType
+from parkade.services.tokenizer.frontend import PromptType, RequestStream
 
 
 class LLM:
-    """Engine settings are `EngineArgs` fields, named as in vLLM: tokenizer, block_size,
+    """Engine settings are `EngineArgs` fields, named as in vLLM (the README's "Engine arguments"
+    has the table). `model` defaults to the stories260K folder shipped with Parkade.
+
+    Accepted as in vLLM: tokenizer, skip_tokenizer_init, dtype, seed, max_model_len, block_size,
     max_num_seqs, max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill,
-    kv_cache_memory_bytes, max_model_len, dtype, seed, scheduling_policy; plus admission,
-    attention_backend, device. `model` defaults to the stories260K folder shipped with Parkade."""
+    scheduling_policy, enforce_eager, kv_cache_memory_bytes (wins over gpu_memory_utilization),
+    gpu_memory_utilization (on a CPU: a share of its RAM), disable_log_stats (default True; False
+    logs a stats line every 10 s). Accepted, changing nothing: swap_space (logged: Parkade
+    preempts by recompute), trust_remote_code (no folder code ever runs), served_model_name.
+    Accepted at the one value Parkade implements, refused otherwise with the reason:
+    tensor_parallel_size and pipeline_parallel_size (1), revision, tokenizer_revision and
+    code_revision (None), tokenizer_mode, kv_cache_dtype and load_format ("auto"), max_logprobs
+    (20). Parkade's own: admission, attention_backend, device, cpu_matmul_upcast,
+    max_waiting_requests, max_waiting_tokens.
+
+    Raises ValueError for a vLLM argument Parkade does not implement (quantization, cpu_offload_gb,
+    enable_lora, speculative_config, ...: parkade/engine/unsupported.py), unless its value is
+    vLLM's default; TypeError for a name vLLM does not have either."""
 
     def __init__(
         self, model: str | Path = DEFAULT_MODEL, *, skip_tokenizer_init: bool = False, **kwargs: Any
@@ -48,36 +65,138 @@ class LLM:
         use_tqdm: bool | Callable[..., tqdm] = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the prompts' order.
+        """Run every prompt to completion; outputs come back in the prompts' order, each with its
+        n samples (as vLLM's, whatever the params' output_kind).
 
         `use_tqdm` shows a progress bar (requests done, input and output tokens per second), as
         vLLM's; a callable is used in place of `tqdm`. A prompt that could never run raises
         ValueError before any prompt is run."""
-        if isinstance(prompts, str | dict):
+        if isinstance(prompts, str | Mapping):
             prompts = [prompts]
+        params_list = self._params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("priority must be one per prompt")
+        streams = [
+            self.engine.prepare(str(next(self._counter)), prompt, params, priority[i] if priority else 0)
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True))
+        ]
+        return self._run(streams, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatType | Sequence[ChatType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or to a
+        list of them, as vLLM's `LLM.chat`: each is rendered by the chat template (the
+        tokenizer's, or `chat_template`), then generated from like a prompt. `content` may be text
+        or OpenAI's list of {"type": "text", "text": ...} parts (joined by newlines)."""
+        for name, value in (
+            ("lora_request", lora_request),
+            ("tools", tools),
+            ("mm_processor_kwargs", mm_processor_kwargs),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"{name} is not supported by Parkade (text-only models, no adapters, no tools)"
+                )
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(
+                "chat_template_content_format must be auto, string or openai; "
+                f"got {chat_template_content_format!r}"
+            )
+        conversations = (
+            [messages] if messages and isinstance(messages[0], Mapping | ChatMessage) else messages
+        )
+        chat = ChatOptions(
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        params_list = self._params_list(sampling_params, len(conversations))
+        streams = [
+            self.engine.prepare(
+                str(next(self._counter)),
+                "",
+                params,
+                chat=chat,
+                messages=[_text_message(m) for m in conversation],
+            )
+            for conversation, params in zip(conversations, params_list, strict=True)
+        ]
+        return self._run(streams, use_tqdm)
+
+    @staticmethod
+    def _params_list(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        """One SamplingParams per prompt, each with output_kind FINAL_ONLY: `generate` and
+        `chat` return finished requests only (vLLM does the same)."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts) or (priority is not None and len(priority) != len(prompts)):
-            raise ValueError("sampling_params and priority must be one per prompt")
-        prepared = [
-            self.engine.prepare(str(next(self._counter)), prompt, params, priority[i] if priority else 0)
-            for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True))
+            sampling_params = [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError("sampling_params must be one per prompt")
+        return [
+            p
+            if p.output_kind is RequestOutputKind.FINAL_ONLY
+            else msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            for p in sampling_params
         ]
-        for request, stream in prepared:
-            self.engine.add_prepared(request, stream)
-        progress = _Progress(len(prepared), use_tqdm)
+
+    def _run(self, streams: list[RequestStream], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
+        """Queue prepared requests, step until all finished; their outputs in the same order."""
+        for stream in streams:
+            self.engine.add_prepared(stream)
+        progress = _Progress(len(streams), use_tqdm)
         finished: dict[str, RequestOutput] = {}
         try:
-            while len(finished) < len(prepared):
+            while len(finished) < len(streams):
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
                         progress.done(output)
         finally:
             progress.close()
-        return [finished[request.request_id] for request, _ in prepared]
+        return [finished[stream.request_id] for stream in streams]
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool | Callable[..., tqdm] = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the params.beam_width best sequences of each prompt, best
+        first; beams share their prefix blocks (see `parkade.engine.beam_search`)."""
+        return beam_search(self, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit)
+
+
+def _text_message(message: Mapping[str, Any] | ChatMessage) -> ChatMessage:
+    """A chat message with text content; OpenAI's list of text parts is joined by newlines."""
+    if isinstance(message, ChatMessage):
+        return message
+    content = message.get("content") or ""
+    if not isinstance(content, str):
+        texts = []
+        for part in content:
+            if part.get("type") != "text":
+                raise ValueError(f"message content of type {part.get('type')!r} is not supported (text only)")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    return ChatMessage(role=message["role"], content=content)
 
 
 class _Progress:

@@ -16,10 +16,14 @@ class Logprob:
 
 # One dict per output position: token id -> Logprob (the sampled token and the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt position; None for the first (nothing comes before it).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
 class CompletionOutput:
+    """One sample of a request; `index` is its position among the request's n samples."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -41,3 +45,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs

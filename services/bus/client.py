@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import uuid
@@ -31,6 +32,7 @@ import msgspec
 from parkade.schemas import AbortRequest, ChatMessage, GenerateRequest, SamplingParams, TokenEvent, topics
 from parkade.services.bus.base import Bus, Outgoing, RecordRejected
 from parkade.services.bus.serve import send_all
+from parkade.services.common.prompts import ChatOptions
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,10 @@ PROBE_S = 2.0
 DEFAULT_IDLE_TIMEOUT_S = 90.0
 
 
+def _chat_fields(chat: ChatOptions | None) -> dict[str, Any]:
+    return dataclasses.asdict(chat) if chat is not None else {}
+
+
 class PipelineGoneError(ConnectionError):
     """The broker stopped answering, or the pipeline stopped answering for a request."""
 
@@ -50,6 +56,7 @@ class PipelineGoneError(ConnectionError):
 @dataclass
 class _Stream:
     traceparent: bytes
+    num_samples: int = 1
     queue: asyncio.Queue[TokenEvent | BaseException] = field(default_factory=asyncio.Queue)
 
 
@@ -160,10 +167,13 @@ class RequestClient:
         request_id: str | None = None,
         priority: int = 0,
         traceparent: bytes | None = None,
+        cache_salt: str | None = None,
+        chat: ChatOptions | None = None,
     ) -> str:
         """Send a generate request; its events are kept for `stream(request_id)`. A request id
         this client is streaming already is refused (ValueError). `traceparent`: the W3C trace
-        context its spans belong under (default: a new trace)."""
+        context its spans belong under (default: a new trace). `cache_salt` and `chat` (how
+        `messages` are rendered) as `GenerateRequest`'s fields."""
         assert self._reader is not None, "start the client first (async with Client(...))"
         if self._reader.done():  # it lost the broker: nothing sent now could be read back
             raise PipelineGoneError(f"lost the broker at {self.bootstrap_servers}; start a new client")
@@ -176,9 +186,11 @@ class RequestClient:
             messages=tuple(ChatMessage(**m) for m in messages) if messages is not None else None,
             sampling_params=sampling_params or SamplingParams(),
             priority=priority,
+            cache_salt=cache_salt,
+            **_chat_fields(chat),
         )
         traceparent = traceparent or new_traceparent()
-        self._streams[request.request_id] = _Stream(traceparent)
+        self._streams[request.request_id] = _Stream(traceparent, request.sampling_params.n)
         headers: tuple[tuple[str, bytes], ...] = (("traceparent", traceparent),)
         if self.reply_topic is not None:
             headers += ((topics.REPLY_TOPIC, self.reply_topic.encode()),)
@@ -195,23 +207,31 @@ class RequestClient:
         return request.request_id
 
     async def stream(self, request_id: str, timeout_s: float | None = None) -> AsyncIterator[TokenEvent]:
-        """The request's events, in order, until the one with a finish_reason. Leaving early
-        (break, cancellation, `timeout_s` passed: TimeoutError) aborts the request, as vLLM's
-        streaming APIs do. PipelineGoneError when nothing answers any more (see the module)."""
-        queue = self._streams[request_id].queue
+        """The request's events, in order for each sample, until every sample's event with a
+        finish_reason came (or an error event, which ends them all). Leaving early (break,
+        cancellation, `timeout_s` passed: TimeoutError) aborts the request, as vLLM's streaming
+        APIs do. PipelineGoneError when nothing answers any more (see the module)."""
+        opened = self._streams[request_id]
+        queue = opened.queue
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         finished = False
-        next_index = 0
+        next_index = [0] * opened.num_samples  # per sample
+        done: set[int] = set()
         try:
             while not finished:
                 event = await self._next_event(queue, request_id, deadline)
                 if isinstance(event, BaseException):
                     raise event
-                if event.token_ids and event.index < next_index:
+                sample = event.sample_index
+                if not 0 <= sample < opened.num_samples or sample in done:
+                    continue  # not a sample of this request, or a late duplicate
+                if event.token_ids and event.index < next_index[sample]:
                     continue  # a duplicate (at-least-once delivery)
-                next_index = event.index + len(event.token_ids)
-                finished = event.finish_reason is not None
+                next_index[sample] = event.index + len(event.token_ids)
+                if event.finish_reason is not None:
+                    done.add(sample)
+                finished = len(done) == opened.num_samples or event.error is not None
                 yield event
         finally:
             self._streams.pop(request_id, None)

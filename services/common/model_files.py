@@ -51,10 +51,14 @@ def check_model_folder(
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The Hugging Face fast tokenizer of a folder (checked first)."""
+    """The Hugging Face fast tokenizer of a folder (checked first).
+
+    NOTE: trust_remote_code=False whatever the engine was given: Parkade never runs code from a
+    model folder, so a tokenizer that exists only as such code is refused by transformers, by name."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(check_model_folder(path, config=False, weights=False)))
+    folder = check_model_folder(path, config=False, weights=False)
+    return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
 
 
 # The `model` field of an options dataclass: field(default=DEFAULT_MODEL, metadata=MODEL_METADATA).

@@ -4,6 +4,7 @@ both refuse before a request reaches the scheduler."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -11,6 +12,33 @@ import msgspec
 from parkade.schemas import ChatMessage
 
 ChatType = Sequence[ChatMessage | Mapping[str, str]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatOptions:
+    """How a chat is rendered into a prompt (vLLM's `LLM.chat` and OpenAI-server options):
+    `chat_template` replaces the tokenizer's; `add_generation_prompt` opens the assistant's turn;
+    `continue_final_message` leaves the last (assistant) message open, so that the model goes
+    on writing it; `chat_template_kwargs` are more variables for the template."""
+
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
+
+    @classmethod
+    def of(cls, request: Any) -> ChatOptions:
+        """The options a `GenerateRequest` carries."""
+        return cls(
+            chat_template=request.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs,
+        )
 
 
 def prompt_token_ids(
@@ -21,11 +49,18 @@ def prompt_token_ids(
     prompt: str | None = None,
     prompt_token_ids: Sequence[int] | None = None,
     messages: ChatType | None = None,
+    chat: ChatOptions | None = None,
+    truncate: int | None = None,
 ) -> list[int]:
-    """Token ids win over `messages` (rendered with the tokenizer's chat template), which win
-    over `prompt` text. ValueError for a prompt that cannot run on this model: no tokens, longer
-    than `max_model_len` (the model's own limit), ids outside its vocabulary."""
-    token_ids = _tokenize(tokenizer, prompt, prompt_token_ids, messages)
+    """Token ids win over `messages` (rendered with the chat template, see `ChatOptions`), which
+    win over `prompt` text. `truncate` keeps only the last k tokens (-1: max_model_len of them),
+    as vLLM's `truncate_prompt_tokens`. ValueError for a prompt that cannot run on this model:
+    no tokens, longer than `max_model_len` (the model's own limit), ids outside its vocabulary."""
+    token_ids = _tokenize(tokenizer, prompt, prompt_token_ids, messages, chat or ChatOptions())
+    if truncate is not None:
+        keep = max_model_len if truncate == -1 else truncate
+        if keep is not None and len(token_ids) > keep:
+            token_ids = token_ids[-keep:]
     if not token_ids:
         raise ValueError("the prompt has no tokens")
     if max_model_len is not None and len(token_ids) > max_model_len:
@@ -42,16 +77,31 @@ def _tokenize(
     prompt: str | None,
     prompt_token_ids: Sequence[int] | None,
     messages: ChatType | None,
+    chat: ChatOptions,
 ) -> list[int]:
     if prompt_token_ids is not None:
         return [int(t) for t in prompt_token_ids]
     if tokenizer is None:
         raise ValueError("a text prompt needs a tokenizer; pass prompt_token_ids instead")
     if messages is not None:
-        chat = [m if isinstance(m, Mapping) else msgspec.structs.asdict(m) for m in messages]
-        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        text = render_chat(tokenizer, messages, chat)
         # The template writes the special tokens (BOS) itself.
         return list(tokenizer.encode(text, add_special_tokens=False))
     if prompt is None:
         raise ValueError("no prompt: give prompt text, prompt_token_ids or messages")
     return list(tokenizer.encode(prompt))
+
+
+def render_chat(tokenizer: Any, messages: ChatType, chat: ChatOptions) -> str:
+    """A conversation as prompt text, by the tokenizer's chat template (or `chat.chat_template`)."""
+    conversation = [m if isinstance(m, Mapping) else msgspec.structs.asdict(m) for m in messages]
+    if chat.continue_final_message and (not conversation or conversation[-1].get("role") != "assistant"):
+        raise ValueError("continue_final_message needs a conversation that ends with an assistant message")
+    return tokenizer.apply_chat_template(
+        conversation,
+        chat_template=chat.chat_template,
+        tokenize=False,
+        add_generation_prompt=chat.add_generation_prompt,
+        continue_final_message=chat.continue_final_message,
+        **(chat.chat_template_kwargs or {}),
+    )

@@ -14,6 +14,7 @@ import torch
 
 from parkade.services.common.model_config import ModelConfig
 from parkade.services.common.model_files import check_model_folder
+from parkade.services.executor import kv_budget
 from parkade.services.executor.executor import Executor
 from parkade.services.executor.kv_pool import bytes_per_block
 from parkade.services.executor.options import CPU_KV_BYTES, CPU_KV_SEQS, ExecutorOptions
@@ -25,6 +26,37 @@ def resolve_device(options: ExecutorOptions) -> torch.device:
     if options.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(options.device)
+
+
+def kv_pool_budget(
+    options: ExecutorOptions, device: torch.device, model_config: ModelConfig, max_model_len: int
+) -> int | Callable[[], int] | None:
+    """The KV pool's budget as `Executor` takes it: bytes; a function that works them out once
+    the weights are loaded (gpu_memory_utilization counts what they took); or None, CUDA's
+    default share of the memory the weights left free."""
+    if options.kv_cache_memory_bytes is not None:  # wins over gpu_memory_utilization, as in vLLM
+        if options.gpu_memory_utilization is not None:
+            log.info("kv_cache_memory_bytes is set: gpu_memory_utilization does not size the KV pool")
+        return options.kv_cache_memory_bytes
+    # Enough for CPU_KV_SEQS requests at full length: tiny models get a small pool.
+    wanted_blocks = CPU_KV_SEQS * (max_model_len // options.block_size + 1)
+    wanted = wanted_blocks * bytes_per_block(model_config, options.block_size, model_config.dtype)
+    share = options.gpu_memory_utilization
+    if share is None:
+        return min(CPU_KV_BYTES, wanted) if device.type == "cpu" else None
+    if device.type == "cuda":
+
+        def on_device() -> int:
+            free, total = torch.cuda.mem_get_info(device)
+            return kv_budget.gpu_kv_bytes(share, free=free, total=total)
+
+        return on_device
+
+    def on_cpu() -> int:
+        total, resident = kv_budget.machine_memory_bytes(), kv_budget.resident_bytes()
+        return kv_budget.cpu_kv_bytes(share, total=total, resident=resident, cap=wanted)
+
+    return on_cpu
 
 
 def build_executor(
@@ -49,16 +81,10 @@ def build_executor(
         )
     if before_load is not None:
         before_load(max_model_len)
-    kv_bytes = options.kv_cache_memory_bytes
-    if kv_bytes is None and device.type == "cpu":
-        # Enough for CPU_KV_SEQS sequences at full length, capped; tiny models get a small pool.
-        wanted_blocks = CPU_KV_SEQS * (max_model_len // options.block_size + 1)
-        block_bytes = bytes_per_block(model_config, options.block_size, model_config.dtype)
-        kv_bytes = min(CPU_KV_BYTES, wanted_blocks * block_bytes)
     executor = Executor(
         model_config,
         block_size=options.block_size,
-        kv_cache_memory_bytes=kv_bytes,
+        kv_cache_memory_bytes=kv_pool_budget(options, device, model_config, max_model_len),
         device=device,
         attention_backend=options.attention_backend,
         seed=options.seed,

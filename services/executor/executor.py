@@ -8,18 +8,22 @@ execute(plan):  1. drop finished and preempted requests' state
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import msgspec
 import torch
 
 from parkade.kernels.backends import AttentionBackend, get_attention_backend
-from parkade.schemas import StepPlan, StepResult
+from parkade.schemas import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraph, DecodeGraphs, EagerGraph
-from parkade.services.executor.input_batch import InputBatch
+from parkade.services.executor.input_batch import InputBatch, ModelInputs
 from parkade.services.executor.kv_pool import allocate_kv_pool, num_blocks_for_budget
 from parkade.services.executor.model import load_model
-from parkade.services.executor.sampler import Sampler
+from parkade.services.executor.sampler import Sampler, token_logprobs
 
 GPU_KV_SHARE = 0.85  # of the device memory left free after loading the weights
+PROMPT_LOGPROBS_ROWS = 512  # prompt positions whose logits are computed at once
 
 
 def cpu_has_native_matmul(dtype: torch.dtype) -> bool:
@@ -42,7 +46,7 @@ class Executor:
         model_config: ModelConfig,
         *,
         block_size: int,
-        kv_cache_memory_bytes: int | None,
+        kv_cache_memory_bytes: int | Callable[[], int] | None,
         device: torch.device,
         attention_backend: AttentionBackend | str = AttentionBackend.AUTO,
         seed: int = 0,
@@ -59,6 +63,8 @@ class Executor:
         if self.fp32_matmuls:
             self.model.use_fp32_matmuls()
         kv_dtype = model_config.dtype
+        if callable(kv_cache_memory_bytes):  # a budget that counts what the weights took
+            kv_cache_memory_bytes = kv_cache_memory_bytes()
         if kv_cache_memory_bytes is None:
             if device.type != "cuda":
                 raise ValueError("kv_cache_memory_bytes must be given on a device other than CUDA")
@@ -115,10 +121,13 @@ class Executor:
             hidden = self.graphs.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        prompt_logprobs = (
+            self._prompt_logprobs(plan, inputs, hidden) if self.batch.prompt_logprobs_ids else ()
+        )
         self.batch.mark_computed(inputs)
         states = inputs.sampling_states
         if not states:
-            return StepResult(step_id=plan.step_id)
+            return StepResult(step_id=plan.step_id, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         token_ids, logprobs = self.sampler(logits, states, self.generator)
         self.batch.append_sampled(states, token_ids)
@@ -127,4 +136,35 @@ class Executor:
             request_ids=tuple(s.request_id for s in states),
             sampled_token_ids=tuple(token_ids),
             logprobs=tuple(logprobs) if any(lp is not None for lp in logprobs) else None,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _prompt_logprobs(
+        self, plan: StepPlan, inputs: ModelInputs, hidden: torch.Tensor
+    ) -> tuple[PromptLogprobs, ...]:
+        """Logprobs of the prompt tokens whose predecessors this step computed, for the requests
+        that asked. The logits at position p give the logprob of prompt token p + 1; the last
+        prompt position's logits sample the first output instead. Called before `mark_computed`,
+        so that a request's computed count is still where its chunk starts."""
+        out = []
+        offset = 0  # the batch is flattened in plan order
+        for i, (request_id, num_new) in enumerate(plan.num_scheduled_tokens.items()):
+            first, offset = offset, offset + num_new
+            if request_id not in self.batch.prompt_logprobs_ids:
+                continue
+            state = self.batch.requests[request_id]
+            start = int(self.batch.num_computed[inputs.rows[i]])
+            end = min(start + num_new, state.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            params = state.sampling_params
+            wanted = msgspec.structs.replace(params, logprobs=params.prompt_logprobs)
+            targets = torch.tensor(state.token_ids[start + 1 : end + 1], device=hidden.device)
+            entries: list[TokenLogprobs] = []
+            # In slices: a long prompt's logits over the whole vocabulary would be large at once.
+            for lo in range(0, end - start, PROMPT_LOGPROBS_ROWS):
+                hi = min(lo + PROMPT_LOGPROBS_ROWS, end - start)
+                logits = self.model.compute_logits(hidden[first + lo : first + hi])
+                entries += token_logprobs(logits, targets[lo:hi], [wanted] * (hi - lo))  # type: ignore[misc]
+            out.append(PromptLogprobs(request_id=request_id, start=start, logprobs=tuple(entries)))
+        return tuple(out)

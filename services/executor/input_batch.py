@@ -74,6 +74,7 @@ class InputBatch:
         self.num_computed = np.zeros(rows, dtype=np.int64)
         self.num_blocks = np.zeros(rows, dtype=np.int64)
         self.requests: dict[str, CachedRequestState] = {}
+        self.prompt_logprobs_ids: set[str] = set()  # live requests that want prompt logprobs
         self._free_rows = list(range(rows - 1, -1, -1))  # popped from the end: lowest row first
 
     def __len__(self) -> int:
@@ -105,9 +106,12 @@ class InputBatch:
             sampling_params=new.sampling_params,
             eos_token_ids=new.eos_token_ids,
         )
+        if new.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs_ids.add(new.request_id)
 
     def remove(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
+        self.prompt_logprobs_ids.discard(request_id)
         if state is not None:
             # Zeroed, so that a later owner's block table is padded with 0 as kernels/metadata.py says.
             self.block_table[state.row, : self.num_blocks[state.row]] = 0

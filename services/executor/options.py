@@ -43,7 +43,17 @@ class ExecutorOptions:
         default=None,
         metadata={
             "help": "bytes of the KV block pool; unset: 85% of the free memory on CUDA, on a CPU enough for "
-            f"{CPU_KV_SEQS} full-length requests, at most {CPU_KV_BYTES // 2**20} MiB"
+            f"{CPU_KV_SEQS} full-length requests, at most {CPU_KV_BYTES // 2**20} MiB; "
+            "wins over gpu_memory_utilization when both are set (as in vLLM)"
+        },
+    )
+    gpu_memory_utilization: float | None = field(
+        default=None,
+        metadata={
+            "help": "share (0, 1] of the device's memory this engine may use; the KV pool gets what the "
+            "weights and everything else already in use leave of it. On a CPU: of the RAM (or the "
+            f"cgroup limit), at most enough for {CPU_KV_SEQS} full-length requests. Unset: see "
+            "kv_cache_memory_bytes"
         },
     )
     max_model_len: int | None = field(
@@ -83,3 +93,6 @@ class ExecutorOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or unset, got {value}")
+        share = self.gpu_memory_utilization
+        if share is not None and not 0 < share <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1] or unset, got {share}")

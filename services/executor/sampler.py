@@ -1,14 +1,34 @@
 """Batched sampling: one token for every request that reached the end of its known tokens.
 
-Per row, in this order (vLLM's semantics):
+Per row, in this order (vLLM v1's semantics and order):
 
     raw logits ──> logprobs (log_softmax of the RAW logits, if requested)
       │
+      ├─ allowed_token_ids: every other id -> -inf
+      ├─ bans -> -inf: bad words (a word's last id, when the outputs end with the rest of it)
+      │  and, while fewer than min_tokens outputs, EOS ids and stop_token_ids
+      │  (unless they would leave the row no token at all: see the NOTE below)
+      ├─ logit_bias: logit += bias (-inf stays -inf: a bias never lifts a mask)
       ├─ repetition penalty over prompt + output ids (logit > 0: divided; < 0: multiplied)
       ├─ frequency / presence penalties over output ids: logit -= f * count + p * (count > 0)
-      ├─ fewer than min_tokens outputs: EOS ids and stop_token_ids -> -inf
       ├─ temperature == 0: argmax                                   (greedy rows end here)
-      └─ / temperature -> top_k -> top_p -> min_p -> softmax -> sample
+      └─ / temperature -> min_p -> top_k -> top_p -> softmax -> sample
+
+Token ids at or past the logits' width (allowed ids, bias keys, bad words' last ids) are ignored:
+the front end refuses them (`SamplingParams.vocab_checks`), so this is only a guard.
+
+Bad words follow vLLM's `apply_bad_words`: for a word [t1 .. tk], tk is banned when the last k-1
+OUTPUT ids are t1 .. t(k-1); the prompt is never looked at, so a word whose prefix is longer than
+the outputs so far bans nothing. A one-id word bans its id at every step.
+
+NOTE: the masks can leave a row no finite logit (its allowed ids all banned by bad words, or all EOS
+or stop ids under min_tokens). vLLM lets such a row through as all -inf: argmax then answers id 0
+and softmax gives nan, which sampling also resolves to id 0, a token the request may have ruled out
+(vLLM issue #57986). Here the row stays deterministic and inside its allowlist instead: for that row
+and that step the bans give way (as though no word were banned and min_tokens were met), the
+allowlist being the request's hard contract. Likewise an allowlist with no id below the width keeps
+every id rather than none. Only raw logits that are -inf everywhere the row may go still reach
+argmax as all -inf (greedy: id 0; sampled: nan probs, also id 0); real logits are never so.
 
 NOTE: sampling uses the exponential race: argmax(probs / E) with E ~ Exponential(1) i.i.d. per
 token draws exactly from Categorical(probs) (it is the Gumbel-max trick in another form). Unlike
@@ -28,7 +48,7 @@ import torch
 from parkade.schemas.engine import TokenLogprobs
 from parkade.schemas.sampling import SamplingParams
 
-__all__ = ["Sampler", "SamplingRow", "row_seed"]
+__all__ = ["Sampler", "SamplingRow", "row_seed", "token_logprobs"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -76,9 +96,7 @@ class Sampler:
             # answer is the raw argmax (no copy, no per-row masks).
             return logits.argmax(dim=-1).tolist(), [None] * len(rows)
         params = [r.sampling_params for r in rows]
-        # A private copy: penalties and masks must not leak into the caller's (raw) logits.
-        x = _apply_penalties(logits.to(torch.float32, copy=True), rows)
-        _mask_min_tokens(x, rows)
+        x = _process_logits(logits, rows)
         sampled = x.argmax(dim=-1)  # [n]: the answer for greedy rows
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -86,20 +104,113 @@ class Sampler:
             probs = _filtered_probs(x[idx], [params[i] for i in random_rows])
             sampled[idx] = _exponential_race(probs, [rows[i] for i in random_rows], generator)
         token_ids = sampled.tolist()
-        return token_ids, _logprobs(logits, sampled, params)
+        return token_ids, token_logprobs(logits, sampled, params)
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
-    """Greedy with no penalty, no logprobs and no min_tokens mask in force: argmax of the raw logits."""
+    """Greedy, no logprobs, and nothing in force that changes logits: argmax of the raw logits."""
     p = row.sampling_params
     return (
         p.greedy
         and p.logprobs is None
+        and p.allowed_token_ids is None
+        and not p.bad_words_token_ids
+        and not p.logit_bias
         and p.repetition_penalty == 1.0
         and not p.frequency_penalty
         and not p.presence_penalty
         and (not p.min_tokens or len(row.token_ids) - row.num_prompt_tokens >= p.min_tokens)
     )
+
+
+def _process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """[n, vocab] raw logits -> a float32 copy with every rule before temperature applied, in the
+    module docstring's order. `logits` is not modified; a row that uses none of the rules comes out
+    bit for bit as it went in."""
+    # A private copy: penalties and masks must not leak into the caller's (raw) logits.
+    x = logits.to(torch.float32, copy=True)
+    _mask_allowed(x, rows)
+    _mask_banned(x, rows)
+    _add_logit_bias(x, rows)
+    return _apply_penalties(x, rows)
+
+
+def _row_mask(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(ids), vocab] bool: True at ids[j] in row j (every id < vocab)."""
+    mask = torch.zeros(len(ids), vocab, dtype=torch.bool, device=device)
+    rows = torch.tensor([j for j, r in enumerate(ids) for _ in r], dtype=torch.int64, device=device)
+    cols = torch.tensor([t for r in ids for t in r], dtype=torch.int64, device=device)
+    mask[rows, cols] = True
+    return mask
+
+
+def _mask_allowed(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: a row with allowed_token_ids keeps only those ids (others -> -inf)."""
+    vocab = x.shape[1]
+    want: list[int] = []
+    kept: list[list[int]] = []
+    for i, r in enumerate(rows):
+        allowed = r.sampling_params.allowed_token_ids
+        ids = list({t for t in allowed if t < vocab}) if allowed is not None else []
+        if ids:  # none below vocab: the allowlist is ignored whole (module NOTE)
+            want.append(i)
+            kept.append(ids)
+    if want:
+        idx = torch.tensor(want, device=x.device)
+        x[idx] = x[idx].masked_fill(~_row_mask(kept, vocab, x.device), float("-inf"))
+
+
+def _banned_ids(row: SamplingRow, vocab: int) -> list[int]:
+    """The ids `row` may not sample this step (all < vocab): bad words and the min_tokens mask."""
+    p = row.sampling_params
+    n, num_outputs = len(row.token_ids), len(row.token_ids) - row.num_prompt_tokens
+    banned: set[int] = set()
+    for word in p.bad_words_token_ids:
+        k = len(word) - 1  # the prefix, which must end the outputs (never reaching into the prompt)
+        if k == 0 or (k <= num_outputs and tuple(row.token_ids[n - k : n]) == word[:-1]):
+            banned.add(word[-1])
+    if num_outputs < p.min_tokens:
+        banned.update(row.eos_token_ids, p.stop_token_ids)
+    return [t for t in banned if t < vocab]
+
+
+def _mask_banned(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: banned ids -> -inf, except in a row they would leave no finite logit (module NOTE)."""
+    vocab = x.shape[1]
+    want: list[int] = []
+    banned: list[list[int]] = []
+    for i, r in enumerate(rows):
+        p = r.sampling_params
+        if p.bad_words_token_ids or len(r.token_ids) - r.num_prompt_tokens < p.min_tokens:
+            ids = _banned_ids(r, vocab)
+            if ids:
+                want.append(i)
+                banned.append(ids)
+    if want:
+        idx = torch.tensor(want, device=x.device)
+        sub = x[idx]  # [w, vocab]
+        ban = _row_mask(banned, vocab, x.device)
+        # Decided on the device (no host sync): a row with nothing left keeps its logits.
+        emptied = (ban | sub.isneginf()).all(dim=-1, keepdim=True)
+        x[idx] = sub.masked_fill(ban & ~emptied, float("-inf"))
+
+
+def _add_logit_bias(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: logit += logit_bias[id] for the ids of each row's logit_bias."""
+    vocab = x.shape[1]
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    bias: list[float] = []
+    for i, r in enumerate(rows):
+        for t, b in (r.sampling_params.logit_bias or {}).items():
+            if t < vocab:
+                row_idx.append(i)
+                tok_idx.append(t)
+                bias.append(b)
+    if row_idx:
+        dev = x.device
+        index = (torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev))
+        x.index_put_(index, torch.tensor(bias, dtype=x.dtype, device=dev), accumulate=True)
 
 
 def _padded_ids(rows: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -136,21 +247,6 @@ def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
         pres = torch.tensor([p.presence_penalty for p in params], device=x.device)[:, None]
         x = x - freq * counts - pres * (counts > 0)
     return x
-
-
-def _mask_min_tokens(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """In place: rows with fewer than min_tokens outputs cannot end (EOS and stop ids -> -inf)."""
-    vocab = x.shape[1]
-    row_idx: list[int] = []
-    tok_idx: list[int] = []
-    for i, r in enumerate(rows):
-        p = r.sampling_params
-        if len(r.token_ids) - r.num_prompt_tokens < p.min_tokens:
-            banned = {t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < vocab}
-            row_idx += [i] * len(banned)
-            tok_idx += sorted(banned)
-    if row_idx:
-        x[torch.tensor(row_idx, device=x.device), torch.tensor(tok_idx, device=x.device)] = float("-inf")
 
 
 def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -207,10 +303,11 @@ def _exponential_race(
     return (probs / noise).argmax(dim=-1)
 
 
-def _logprobs(
+def token_logprobs(
     logits: torch.Tensor, sampled: torch.Tensor, params: list[SamplingParams]
 ) -> list[TokenLogprobs | None]:
-    """Logprobs of the raw logits: the sampled token with its rank, then the top-k tokens."""
+    """Logprobs of the raw logits: the sampled token with its rank, then the top-k tokens (the
+    executor also asks it for prompt tokens, with each prompt token as the "sampled" one)."""
     out: list[TokenLogprobs | None] = [None] * len(params)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not want:

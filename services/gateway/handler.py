@@ -118,21 +118,25 @@ class GatewayHandler:
             )
         answer = Answer.new(chat, self.model_name)
         submits, choices = [], []
+        n = request.params.n
         for index, prompt in enumerate(request.prompts):
-            num_prompt_tokens = self._num_prompt_tokens(prompt, "messages" if chat else "prompt")
+            num_prompt_tokens = self._num_prompt_tokens(request, prompt, "messages" if chat else "prompt")
             submits.append(
                 {
                     **_prompt_fields(prompt),
                     "sampling_params": request.params,
                     "priority": request.priority,
+                    "cache_salt": request.cache_salt,
+                    "chat": request.chat_options,
                     # Unique per HTTP request; the index tells a choice's events apart.
                     "request_id": f"{answer.id}-{index}" if len(request.prompts) > 1 else answer.id,
                 }
             )
-            choices.append(Choice(index, num_prompt_tokens))
+            # Prompt i's sample s is choice i * n + s (OpenAI's order).
+            choices += [Choice(index * n + s, num_prompt_tokens if s == 0 else 0) for s in range(n)]
         return Opened(request, answer, submits, choices)
 
-    def _num_prompt_tokens(self, prompt: Prompt, param: str) -> int:
+    def _num_prompt_tokens(self, request: OpenAIRequest, prompt: Prompt, param: str) -> int:
         try:
             token_ids = prompts.prompt_token_ids(
                 self.tokenizer,
@@ -141,6 +145,8 @@ class GatewayHandler:
                 prompt=prompt.text,
                 prompt_token_ids=prompt.token_ids,
                 messages=prompt.messages,
+                chat=request.chat_options,
+                truncate=request.params.truncate_prompt_tokens,
             )
         except Exception as error:  # a template may raise anything on a chat it refuses
             raise GatewayError(400, str(error), param) from None

@@ -162,24 +162,25 @@ class Choices:
     """The events of one HTTP request's choices (one pipeline request each), merged in arrival
     order. `close` aborts what is unfinished (each `RequestClient.stream` does on leaving)."""
 
-    def __init__(self, client: RequestClient, request_ids: list[str], span: Any) -> None:
+    def __init__(self, client: RequestClient, request_ids: list[str], span: Any, n: int = 1) -> None:
         self.client, self.request_ids = client, request_ids
         self.span = span  # the HTTP request's, ended with it
-        self.started: set[int] = set()  # choices whose stream began (it aborts itself on leaving)
+        self.started: set[int] = set()  # requests whose stream began (it aborts itself on leaving)
         self.queue: asyncio.Queue[tuple[int, TokenEvent | Exception]] = asyncio.Queue()
-        self.open = len(request_ids)
+        self.open = len(request_ids) * n  # choices without their last event
+        # Request i's sample s is choice i * n + s.
         self.tasks = [
-            asyncio.ensure_future(self._pump(i, client.stream(request_id)))
+            asyncio.ensure_future(self._pump(i, i * n, client.stream(request_id)))
             for i, request_id in enumerate(request_ids)
         ]
 
-    async def _pump(self, index: int, stream: AsyncIterator[TokenEvent]) -> None:
+    async def _pump(self, index: int, first_choice: int, stream: AsyncIterator[TokenEvent]) -> None:
         self.started.add(index)
         try:
             async for event in stream:
-                self.queue.put_nowait((index, event))
+                self.queue.put_nowait((first_choice + event.sample_index, event))
         except Exception as error:  # PipelineGoneError, TimeoutError: the request's answer
-            self.queue.put_nowait((index, error))
+            self.queue.put_nowait((first_choice, error))
 
     async def next(self) -> tuple[int, TokenEvent | Exception]:
         index, item = await self.queue.get()
@@ -305,7 +306,7 @@ class Gateway:
             if isinstance(error, RecordRejected):
                 return error_response(GatewayError(413, f"the request is too large for the broker: {error}"))
             return error_response(GatewayError(503, str(error)))
-        choices = Choices(self.client, request_ids, span)
+        choices = Choices(self.client, request_ids, span, opened.request.params.n)
         self.metrics.running.inc()
         handed_over = False
         try:

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from parkade.schemas import ChatMessage, ErrorKind, SamplingParams, TokenEvent, TokenLogprobs
+from parkade.services.common.prompts import ChatOptions
 
 # OpenAI's error `type` for each status we answer with.
 _ERROR_TYPES = {
@@ -97,6 +98,12 @@ class _Common(msgspec.Struct, kw_only=True):
     user: str | None = None
     priority: int = 0
     max_tokens: int | None = None
+    # vLLM's extra parameters
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    spaces_between_special_tokens: bool = True
+    cache_salt: str | None = None
 
 
 class CompletionBody(_Common, kw_only=True):
@@ -120,6 +127,10 @@ class MessageBody(msgspec.Struct, kw_only=True):
 
 class ChatBody(_Common, kw_only=True):
     messages: list[MessageBody] = []
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -149,7 +160,11 @@ class OpenAIRequest:
     continuous_usage: bool
     priority: int
     user: str | None = None
+    cache_salt: str | None = None
+    chat_options: ChatOptions | None = None  # for a chat
 
+
+MAX_N = 128  # OpenAI's limit on n
 
 _PARAM_AT = re.compile(r"at `\$\.([A-Za-z_]+)")
 
@@ -165,12 +180,19 @@ def _decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
 
 
 def _refuse_unsupported(body: _Common) -> None:
-    if body.n != 1:
-        raise GatewayError(400, "n must be 1: Parkade does not run parallel samples yet", "n")
-    if body.best_of not in (None, 1):
-        raise GatewayError(400, "best_of must be 1: Parkade does not run parallel samples yet", "best_of")
-    if body.logit_bias:
-        raise GatewayError(400, "logit_bias is not supported", "logit_bias")
+    if not 1 <= body.n <= MAX_N:
+        raise GatewayError(400, f"n must be in [1, {MAX_N}]", "n")
+    if body.best_of not in (None, body.n):
+        raise GatewayError(400, "best_of is not supported (as in vLLM V1): use n", "best_of")
+
+
+def _logit_bias(body: _Common) -> dict[int, float] | None:
+    if body.logit_bias is None:
+        return None
+    try:
+        return {int(k): v for k, v in body.logit_bias.items()}
+    except ValueError:
+        raise GatewayError(400, "logit_bias keys must be token ids", "logit_bias") from None
 
 
 def _sampling_params(body: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -187,6 +209,9 @@ def _sampling_params(body: _Common, max_tokens: int | None, logprobs: int | None
             "seed",
             "stop",
             "stop_token_ids",
+            "allowed_token_ids",
+            "bad_words",
+            "truncate_prompt_tokens",
         )
         if getattr(body, name) is not None
     }
@@ -198,14 +223,25 @@ def _sampling_params(body: _Common, max_tokens: int | None, logprobs: int | None
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
             logprobs=logprobs,
+            n=body.n,
+            logit_bias=_logit_bias(body),
         )
     except (ValueError, TypeError) as error:
         # SamplingParams' messages start with the field's name.
         raise GatewayError(400, str(error), str(error).split(" ", 1)[0]) from None
 
 
-def _request(body: _Common, chat: bool, prompts: list[Prompt], params: SamplingParams) -> OpenAIRequest:
+def _request(
+    body: _Common,
+    chat: bool,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    chat_options: ChatOptions | None = None,
+) -> OpenAIRequest:
+    if body.cache_salt is not None and not body.cache_salt:
+        raise GatewayError(400, "cache_salt must be a non-empty string", "cache_salt")
     options = body.stream_options
     if options is not None and not body.stream:
         raise GatewayError(400, "stream_options is only allowed with stream: true", "stream_options")
@@ -219,6 +255,8 @@ def _request(body: _Common, chat: bool, prompts: list[Prompt], params: SamplingP
         continuous_usage=options is not None and options.continuous_usage_stats,
         priority=body.priority,
         user=body.user,
+        cache_salt=body.cache_salt,
+        chat_options=chat_options,
     )
 
 
@@ -280,7 +318,16 @@ def parse_chat(body: bytes) -> OpenAIRequest:
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = _sampling_params(request, max_tokens, logprobs)
     messages = tuple(_message(m) for m in request.messages)
-    return _request(request, True, [Prompt(messages=messages)], params)
+    try:
+        options = ChatOptions(
+            chat_template=request.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs,
+        )
+    except ValueError as error:
+        raise GatewayError(400, str(error), "continue_final_message") from None
+    return _request(request, True, [Prompt(messages=messages)], params, options)
 
 
 # ---- answers ---------------------------------------------------------------------------------
@@ -292,7 +339,7 @@ class Choice:
     """What one choice (one prompt's request) has produced so far."""
 
     index: int
-    num_prompt_tokens: int
+    num_prompt_tokens: int  # 0 on samples after a prompt's first: usage counts a prompt once
     text: str = ""
     num_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -309,7 +356,7 @@ class Choice:
         if event.finish_reason is not None:
             self.finish_reason, self.stop_reason = str(event.finish_reason), event.stop_reason
         if event.usage is not None:
-            self.num_tokens = event.usage.completion_tokens
+            # On the request's last event: for all its samples, so counted on one choice only.
             self.num_cached_tokens = event.usage.cached_tokens
 
 

@@ -57,12 +57,14 @@ class KVCacheManager:
         hidden state to sample the next one.
         """
         assert not request.block_ids
-        if not self.enable_caching:
+        # A request that wants prompt logprobs computes its whole prompt: a cached block has
+        # K/V but no logits (vLLM's rule too).
+        if not self.enable_caching or request.prompt_logprobs is not None:
             return [], 0
         hashes = request.update_block_hashes()
         max_blocks = min(len(hashes), (request.num_tokens - 1) // self.block_size)
         hits: list[int] = []
-        parent: BlockHash | None = None
+        parent: BlockHash | None = request.block_hash_root
         for i in range(max_blocks):
             block_id = self.pool.lookup(hashes[i], parent, request.block_token_ids(i))
             if block_id is None:
@@ -158,7 +160,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         for i in range(start, num_full):
             token_ids = request.block_token_ids(i)
-            parent = hashes[i - 1] if i > 0 else None
+            parent = hashes[i - 1] if i > 0 else request.block_hash_root
             if i == len(hashes):
                 hashes.append(hash_block(parent, token_ids))
             self.pool.cache_block(table[i], hashes[i], parent, token_ids)

@@ -13,7 +13,7 @@ import enum
 import hashlib
 from array import array
 
-from parkade.schemas import EngineRequest, FinishReason, SamplingParams
+from parkade.schemas import EngineRequest, FinishReason, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -25,6 +25,15 @@ class RequestStatus(enum.Enum):
 
 # A chained block hash: it identifies the whole prefix up to the end of its block.
 BlockHash = bytes
+
+
+def salt_root(cache_salt: str | None) -> BlockHash | None:
+    """The parent hash of a request's first block: None without a salt, so that unsalted
+    requests share with each other; a salt's own digest otherwise, so that two salts never meet
+    (the first block's hash and its confirmed parent both differ)."""
+    if cache_salt is None:
+        return None
+    return hashlib.sha256(b"parkade-cache-salt\0" + cache_salt.encode()).digest()
 
 
 def hash_block(parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> BlockHash:
@@ -49,7 +58,7 @@ class Request:
         "kv_noop_until", "block_ids", "num_hashed_blocks", "request_id", "admitted_step", "num_prompt_tokens",
         "sampling_params", "eos_token_ids", "num_cached_tokens", "stop_token_ids",
         "arrival_time", "block_hashes", "block_size", "finish_reason", "num_preemptions", "priority",
-        "prompt_token_ids", "run_alone", "stop_reason",
+        "prompt_token_ids", "run_alone", "stop_reason", "block_hash_root", "prompt_logprobs",
     )  # fmt: skip
 
     def __init__(self, engine_request: EngineRequest, block_size: int) -> None:
@@ -84,6 +93,12 @@ class Request:
         self.stop_reason: int | str | None = None
         # block_hashes[i] covers all_token_ids[: (i + 1) * block_size]; grows with the tokens.
         self.block_hashes: list[BlockHash] = []
+        self.block_hash_root = salt_root(engine_request.cache_salt)  # the first block's parent
+        # Prompt logprobs computed so far (positions 1.. of the prompt), until they go out with
+        # the first token; None when not asked for, or once sent.
+        self.prompt_logprobs: list[TokenLogprobs] | None = (
+            [] if self.sampling_params.prompt_logprobs is not None else None
+        )
         # Owned by the KVCacheManager, kept here so that its per-step fast path reads no dict:
         # the block table (empty while the request holds no blocks), how many of its leading
         # blocks were offered to the prefix cache, and up to which num_computed_tokens + new
@@ -109,7 +124,7 @@ class Request:
         num_full = self.num_tokens // self.block_size
         while len(self.block_hashes) < num_full:
             index = len(self.block_hashes)
-            parent = self.block_hashes[-1] if self.block_hashes else None
+            parent = self.block_hashes[-1] if self.block_hashes else self.block_hash_root
             self.block_hashes.append(hash_block(parent, self.block_token_ids(index)))
         return self.block_hashes
 

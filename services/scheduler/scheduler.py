@@ -92,6 +92,7 @@ class Scheduler:
             )
         request = Request(engine_request, self.config.block_size)
         if output_token_ids:
+            request.prompt_logprobs = None  # they went out with its first token
             request.all_token_ids.extend(output_token_ids)
             request.num_tokens += len(output_token_ids)
             request.num_output_tokens = len(output_token_ids)
@@ -343,6 +344,8 @@ class Scheduler:
         outputs: list[GeneratedTokens] = []
         logprobs = result.logprobs or (None,) * len(result.request_ids)
         requests, running_status, step_id = self.requests, RequestStatus.RUNNING, plan.step_id
+        if result.prompt_logprobs:
+            self._add_prompt_logprobs(plan, result)
         finished: list[Request] = []
         for request_id, token_id, token_logprobs in zip(
             result.request_ids, result.sampled_token_ids, logprobs, strict=True
@@ -369,6 +372,10 @@ class Scheduler:
             if reason is not None:
                 finished.append(request)
                 self._finish(request, reason, stop_reason)
+            prompt_logprobs = request.prompt_logprobs
+            if prompt_logprobs is not None:  # its first token: they go out with it, once
+                request.prompt_logprobs = None
+                prompt_logprobs = tuple(prompt_logprobs)
             outputs.append(
                 GeneratedTokens(
                     request_id=request_id,
@@ -378,11 +385,28 @@ class Scheduler:
                     finish_reason=reason,
                     stop_reason=stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         if finished:  # one pass, not a list.remove per finished request
             self.running = [r for r in self.running if r.status is running_status]
         return outputs
+
+    def _add_prompt_logprobs(self, plan: StepPlan, result: StepResult) -> None:
+        """Keep the prompt logprobs a step computed until the request's first token. A request
+        recomputed after a preemption sends positions it sent before: kept once, by position."""
+        for chunk in result.prompt_logprobs:
+            request = self.requests.get(chunk.request_id)
+            if (
+                request is None
+                or request.prompt_logprobs is None
+                or request.status is not RequestStatus.RUNNING
+                or plan.step_id < request.admitted_step
+            ):
+                continue
+            have = request.prompt_logprobs
+            if chunk.start <= len(have):
+                have.extend(chunk.logprobs[len(have) - chunk.start :])
 
     @staticmethod
     def _check_stop_token(

@@ -30,12 +30,16 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         *,
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # transformers' option; NOTE: a fast (Rust) tokenizer joins tokens by its own decoder and
+        # ignores it, as vLLM's fast detokenizer does.
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.stop = tuple(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.min_tokens = min_tokens
@@ -56,13 +60,18 @@ class IncrementalDetokenizer:
             tokenizer,
             prompt_token_ids,
             skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens,
         )
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(
+            token_ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
 
     def add_tokens(self, token_ids: Sequence[int]) -> str | None:
         """Append new output tokens. Returns the stop string that matched, if one did; the text

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from parkade.models import DEFAULT_MODEL
 from parkade.schemas import (
     EngineRequest,
@@ -34,11 +36,12 @@ from parkade.schemas import (
     SamplingParams,
     TokenLogprobs,
     Usage,
+    sample_request_id,
 )
 from parkade.services.common import prompts
 from parkade.services.common.model_config import ModelConfig
 from parkade.services.common.model_files import MODEL_METADATA, check_model_folder, load_tokenizer
-from parkade.services.common.prompts import ChatType
+from parkade.services.common.prompts import ChatOptions, ChatType
 from parkade.services.tokenizer.detokenizer import IncrementalDetokenizer
 
 # A prompt as vLLM's offline API takes it: text, {"prompt": text}, or {"prompt_token_ids": [...]}
@@ -57,94 +60,145 @@ class TokenizerOptions:
 
 
 def prompt_fields(prompt: PromptType) -> dict[str, Any]:
-    """vLLM's prompt forms as `FrontEnd.make_request` keywords."""
+    """vLLM's prompt forms as `FrontEnd.make_request` keywords (a dict may carry `cache_salt`)."""
     if isinstance(prompt, str):
         return {"prompt": prompt}
+    salt = {"cache_salt": prompt["cache_salt"]} if prompt.get("cache_salt") is not None else {}
     if "prompt_token_ids" in prompt:
-        return {"prompt": prompt.get("prompt"), "prompt_token_ids": prompt["prompt_token_ids"]}
+        return {"prompt": prompt.get("prompt"), "prompt_token_ids": prompt["prompt_token_ids"], **salt}
     if "prompt" in prompt:
-        return {"prompt": prompt["prompt"]}
+        return {"prompt": prompt["prompt"], **salt}
     raise ValueError("a prompt is text, {'prompt': text} or {'prompt_token_ids': [...]}")
 
 
 @dataclass(frozen=True)
 class StreamUpdate:
-    """What one `GeneratedTokens` changes for the client."""
+    """What one `GeneratedTokens` changes for the client: one sample's news."""
 
     index: int  # output position of token_ids[0]
     token_ids: tuple[int, ...]
-    text: str  # all the text shown so far
+    text: str  # all the text of this sample shown so far
     text_delta: str  # what this update adds to `text`
     logprobs: tuple[TokenLogprobs, ...] | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | None = None  # this sample's
     stop_reason: int | str | None = None
-    stop_scheduler: bool = False  # a stop string matched: the scheduler must finish the request
-    usage: Usage | None = None  # on the last update
-    error: str | None = None  # with finish_reason "error"
+    stop_scheduler: bool = False  # a stop string matched: the scheduler must finish the sample
+    usage: Usage | None = None  # on the request's last update (its last sample's)
+    error: str | None = None  # with finish_reason "error": it ends every sample
     error_kind: ErrorKind | None = None  # with `error`
+    sample_index: int = 0
+    engine_request_id: str = ""  # the sample's id at the scheduler
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # once, on sample 0's first update
+    # Samples the scheduler still runs that must be finished: the request failed.
+    cancel: tuple[str, ...] = ()
+
+
+@dataclass(eq=False)
+class _Sample:
+    """One sample of a request as the client sees it."""
+
+    index: int
+    engine_request_id: str
+    detokenizer: IncrementalDetokenizer | None
+    next_index: int = 0
+    text: str = ""
+    finished: bool = False
 
 
 class RequestStream:
-    """One request as the client sees it: the detokenizer, the next output index, the text shown.
+    """One request as the client sees it: for each of its samples the detokenizer, the next
+    output index and the text shown.
 
-    Idempotent: a message whose tokens start behind the next index (a redelivery) changes nothing.
-    Once finished, it takes no more messages.
+    Idempotent: a message whose tokens start behind its sample's next index (a redelivery)
+    changes nothing. Once every sample finished (or the request failed), it takes no more.
     """
 
     def __init__(
-        self, request: EngineRequest, prompt: str | None, detokenizer: IncrementalDetokenizer | None
+        self,
+        request_id: str,
+        requests: Sequence[EngineRequest],
+        prompt: str | None,
+        detokenizers: Sequence[IncrementalDetokenizer | None],
     ) -> None:
-        self.request = request
+        self.request_id = request_id
+        self.engine_requests = tuple(requests)  # one per sample, in sample order
+        self.request = self.engine_requests[0]
         self.prompt = prompt
-        self.detokenizer = detokenizer
-        self.next_index = 0
-        self.text = ""
+        self.samples = [
+            _Sample(i, r.request_id, d) for i, (r, d) in enumerate(zip(requests, detokenizers, strict=True))
+        ]
+        self._by_engine_id = {s.engine_request_id: s for s in self.samples}
         self.num_cached_tokens = 0
         self.first_token_time: float | None = None
         self.finished = False
 
     @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    def engine_request_ids(self) -> tuple[str, ...]:
+        return tuple(s.engine_request_id for s in self.samples)
+
+    @property
+    def next_index(self) -> int:
+        """Sample 0's next output index (where an error event of the request says it ended)."""
+        return self.samples[0].next_index
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(s.next_index for s in self.samples)
+
+    def live_engine_request_ids(self) -> tuple[str, ...]:
+        return tuple(s.engine_request_id for s in self.samples if not s.finished)
 
     def update(self, message: GeneratedTokens) -> StreamUpdate | None:
-        """Apply the scheduler's next message; None when it changes nothing (a redelivery)."""
-        if self.finished or (message.token_ids and message.index < self.next_index):
+        """Apply the scheduler's next message about one sample; None when it changes nothing (a
+        redelivery, or news of a request that ended)."""
+        sample = self._by_engine_id.get(message.request_id)
+        if (
+            sample is None
+            or self.finished
+            or sample.finished
+            or (message.token_ids and message.index < sample.next_index)
+        ):
             return None
-        self.num_cached_tokens = message.num_cached_tokens
+        if sample.index == 0:
+            self.num_cached_tokens = message.num_cached_tokens
         if message.error is not None:
-            self.finished = True
+            sample.finished = self.finished = True
             return StreamUpdate(
-                self.next_index,
+                sample.next_index,
                 (),
-                self.text,
+                sample.text,
                 "",
                 finish_reason=FinishReason.ERROR,
                 error=message.error,
                 error_kind=message.error_kind or ErrorKind.INTERNAL,
+                sample_index=sample.index,
+                engine_request_id=sample.engine_request_id,
+                cancel=self.live_engine_request_ids(),
             )
         if message.token_ids and self.first_token_time is None:
             self.first_token_time = time.time()
         finish_reason, stop_reason = message.finish_reason, message.stop_reason
         stop_scheduler = False
-        text = self.text
-        if self.detokenizer is not None:
-            matched = self.detokenizer.add_tokens(message.token_ids)
+        text = sample.text
+        if sample.detokenizer is not None:
+            matched = sample.detokenizer.add_tokens(message.token_ids)
             if matched is not None:
                 stop_scheduler = finish_reason is None  # the scheduler still runs it
                 finish_reason, stop_reason = FinishReason.STOP, matched
             # A streamed text never shows what a stop string may still cut.
-            text = self.detokenizer.text(finished=finish_reason is not None)
-        delta, self.text = text[len(self.text) :], text
-        self.next_index = message.index + len(message.token_ids)
+            text = sample.detokenizer.text(finished=finish_reason is not None)
+        delta, sample.text = text[len(sample.text) :], text
+        sample.next_index = message.index + len(message.token_ids)
         usage = None
         if finish_reason is not None:
-            self.finished = True
-            usage = Usage(
-                prompt_tokens=len(self.request.prompt_token_ids),
-                completion_tokens=self.next_index,
-                cached_tokens=message.num_cached_tokens,
-            )
+            sample.finished = True
+            if all(s.finished for s in self.samples):
+                self.finished = True
+                usage = Usage(
+                    prompt_tokens=len(self.request.prompt_token_ids),
+                    completion_tokens=self.num_output_tokens,
+                    cached_tokens=self.num_cached_tokens,
+                )
         return StreamUpdate(
             message.index,
             message.token_ids,
@@ -155,7 +209,25 @@ class RequestStream:
             stop_reason=stop_reason,
             stop_scheduler=stop_scheduler,
             usage=usage,
+            sample_index=sample.index,
+            engine_request_id=sample.engine_request_id,
+            prompt_logprobs=message.prompt_logprobs,
         )
+
+
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index`'s own params: one sample each; a seed moved on by the index, so that
+    seeded samples differ from each other and each is reproducible (vLLM's rule); prompt
+    logprobs computed by sample 0 only, so that the others share its prompt blocks (a request
+    that wants prompt logprobs bypasses the prefix cache)."""
+    if params.n == 1:
+        return params
+    seed = params.seed
+    if seed is not None:
+        seed = (seed + index + 2**63) % 2**64 - 2**63  # wraps within the 64-bit range
+    return msgspec.structs.replace(
+        params, n=1, seed=seed, prompt_logprobs=params.prompt_logprobs if index == 0 else None
+    )
 
 
 class FrontEnd:
@@ -201,26 +273,60 @@ class FrontEnd:
         messages: ChatType | None = None,
         sampling_params: SamplingParams | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
+        chat: ChatOptions | None = None,
     ) -> tuple[EngineRequest, RequestStream]:
         """Tokenize and check one request. `prompt_token_ids` win over `messages` (rendered with
-        the tokenizer's chat template), which win over `prompt` text; with token ids, `prompt` is
-        only kept for the output. Raises ValueError for a request that cannot run on this model."""
+        the chat template, as `chat` says), which win over `prompt` text; with token ids, `prompt`
+        is only kept for the output. Raises ValueError for a request that cannot run on this model.
+
+        -> (sample 0's EngineRequest, the stream); with n > 1 samples, `stream.engine_requests`
+        holds one EngineRequest per sample (ids from `sample_request_id`), sent to the scheduler
+        one after the other so that the later ones find sample 0's prompt blocks cached."""
         params = sampling_params or SamplingParams()
-        token_ids = self.prompt_token_ids(prompt, prompt_token_ids, messages)
+        token_ids = self.prompt_token_ids(
+            prompt, prompt_token_ids, messages, chat=chat, truncate=params.truncate_prompt_tokens
+        )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        request = EngineRequest(
-            request_id=request_id,
-            prompt_token_ids=tuple(token_ids),
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-            priority=priority,
-            arrival_time=self._arrival_time(),
-        )
-        detokenizer = None
-        if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer.for_request(self.tokenizer, token_ids, params)
-        return request, RequestStream(request, prompt, detokenizer)
+        params = self._resolve_words(params)
+        params.vocab_checks(self.vocab_size)
+        arrival_time = self._arrival_time()
+        requests = [
+            EngineRequest(
+                request_id=sample_request_id(request_id, i, params.n),
+                prompt_token_ids=tuple(token_ids),
+                sampling_params=sample_params(params, i),
+                eos_token_ids=self.eos_token_ids,
+                priority=priority,
+                arrival_time=arrival_time,
+                cache_salt=cache_salt,
+            )
+            for i in range(params.n)
+        ]
+        detokenizers = [
+            IncrementalDetokenizer.for_request(self.tokenizer, token_ids, params)
+            if self.tokenizer is not None and params.detokenize
+            else None
+            for _ in requests
+        ]
+        stream = RequestStream(request_id, requests, prompt, detokenizers)
+        return requests[0], stream
+
+    def _resolve_words(self, params: SamplingParams) -> SamplingParams:
+        """`bad_words` as token id sequences (vLLM's rule: each word alone and after a space,
+        since a word mid-text is usually tokenized with its leading space)."""
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; pass bad_words_token_ids instead")
+        sequences = list(params.bad_words_token_ids)
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return msgspec.structs.replace(params, bad_words_token_ids=tuple(sequences))
 
     def make_request_from(self, message: GenerateRequest) -> tuple[EngineRequest, RequestStream]:
         """`make_request` for a request from the requests topic."""
@@ -231,6 +337,8 @@ class FrontEnd:
             messages=message.messages,
             sampling_params=message.sampling_params,
             priority=message.priority,
+            cache_salt=message.cache_salt,
+            chat=ChatOptions.of(message),
         )
 
     def prompt_token_ids(
@@ -238,6 +346,9 @@ class FrontEnd:
         prompt: str | None = None,
         prompt_token_ids: Sequence[int] | None = None,
         messages: ChatType | None = None,
+        *,
+        chat: ChatOptions | None = None,
+        truncate: int | None = None,
     ) -> list[int]:
         """The prompt's token ids, checked against the model (see `prompts.prompt_token_ids`)."""
         return prompts.prompt_token_ids(
@@ -247,6 +358,8 @@ class FrontEnd:
             prompt=prompt,
             prompt_token_ids=prompt_token_ids,
             messages=messages,
+            chat=chat,
+            truncate=truncate,
         )
 
     def _arrival_time(self) -> float:

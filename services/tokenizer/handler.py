@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,7 @@ from parkade.schemas import (
     GeneratedBatch,
     GeneratedTokens,
     GenerateRequest,
+    RequestOutputKind,
     SchedulerAnnouncement,
     TokenEvent,
     TokenizerAnnouncement,
@@ -113,6 +114,8 @@ def token_event(request_id: str, update: StreamUpdate) -> TokenEvent:
         usage=update.usage,
         error=update.error,
         error_kind=update.error_kind,
+        sample_index=update.sample_index,
+        prompt_logprobs=update.prompt_logprobs,
     )
 
 
@@ -125,7 +128,11 @@ class TokenizerHandler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.frontend = frontend
-        self.streams: dict[str, _Open] = {}
+        self.streams: dict[str, _Open] = {}  # by the client's request id
+        # The live samples' ids at the scheduler -> their request's id. A request with n == 1
+        # has one sample under its own id; n > 1 samples get ids of their own
+        # (`sample_request_id`), and the scheduler's events name those.
+        self.engine_ids: dict[str, str] = {}
         self.finished = RecentIds()  # to drop redelivered requests and late messages
         self.scheduler_id: str | None = None
         self.orphans: dict[str, _Orphan] = {}
@@ -163,10 +170,10 @@ class TokenizerHandler:
             return []  # another's: an earlier tokenizer's, read again
         request_id = message.request_id
         if isinstance(message, AbortRequest):
-            if request_id not in self.streams:
+            open_ = self.streams.get(request_id)
+            if open_ is None:
                 return []  # unknown or finished: aborting is idempotent
-            finish = FinishRequest(request_id=request_id, reason=FinishReason.ABORT)
-            return [Outgoing(topics.TOKENIZED, finish, request_id, headers)]
+            return self._finish_samples(request_id, open_.stream.live_engine_request_ids(), headers)
         open_ = self.streams.get(request_id)
         if open_ is not None:
             if source is None or open_.source == source:
@@ -182,6 +189,12 @@ class TokenizerHandler:
                 return []  # a redelivered request
             error = f"request id {request_id!r} was used by a request that ended recently; use a fresh id"
             return [error_event(request_id, error, ErrorKind.INVALID_REQUEST, headers)]
+        if message.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
+            error = (
+                "output_kind FINAL_ONLY is for the Python API: the tokens topic streams each sample's "
+                "new tokens; keep the events until the one with finish_reason"
+            )
+            return [error_event(request_id, error, ErrorKind.INVALID_REQUEST, headers)]
         span = tracing.start_span("tokenize", headers, attributes={"parkade.request_id": request_id})
         try:
             request, stream = self.frontend.make_request_from(message)
@@ -192,6 +205,17 @@ class TokenizerHandler:
             return [error_event(request_id, str(error), ErrorKind.INVALID_REQUEST, headers)]
         span.set_attribute("parkade.prompt_tokens", len(request.prompt_token_ids))
         span.end()
+        taken = [
+            e
+            for e in stream.engine_request_ids
+            if e in self.engine_ids or (e != request_id and e in self.finished)
+        ]
+        if taken:
+            # A sample id that names another live or recent request (a client chose "x#1"):
+            # two requests would share the scheduler's record.
+            error = f"request id {request_id!r}: its sample id {taken[0]!r} is in use; use another id"
+            self.finished.add(request_id, source)
+            return [error_event(request_id, error, ErrorKind.INVALID_REQUEST, headers)]
         if tracing.enabled() and not tracing.carries_context(headers):
             # A request from a client that traces nothing (kcat, plain Kafka), or whose context is
             # malformed: its trace starts here, and every record about it carries it on.
@@ -200,18 +224,23 @@ class TokenizerHandler:
         if self.metrics is not None:
             self.metrics.requests.inc()
         open_ = self.streams[request_id] = _Open(stream, headers, source, self.generated_position)
-        orphan = self.orphans.pop(request_id, None)
-        if orphan is None:
-            return [Outgoing(topics.TOKENIZED, request, request_id, headers)]
+        for engine_id in stream.engine_request_ids:
+            self.engine_ids[engine_id] = request_id
+        # Sample 0 first: the later samples find its prompt blocks in the prefix cache.
+        requests = [Outgoing(topics.TOKENIZED, r, request_id, headers) for r in stream.engine_requests]
+        orphans = [o for e in stream.engine_request_ids if (o := self.orphans.pop(e, None)) is not None]
+        if not orphans:
+            return requests
         # Read again after a restart: its events so far go out again (the client drops what it
         # has), and the scheduler hears of it again (it drops what it knows).
-        starts = [x for x in (orphan.generated_start, open_.generated_start) if x is not None]
+        starts = [x for o in orphans for x in (o.generated_start, open_.generated_start) if x is not None]
         open_.generated_start = min(starts, default=None)
         out: list[Outgoing] = []
-        for event in orphan.events:
-            out += self._tokens_or_error(event)
+        for orphan in orphans:
+            for event in orphan.events:
+                out += self._tokens_or_error(event)
         if request_id in self.streams:
-            out.append(Outgoing(topics.TOKENIZED, request, request_id, headers))
+            out += requests
         return out
 
     def low_watermarks(self) -> dict[str, int]:
@@ -280,21 +309,23 @@ class TokenizerHandler:
         try:
             return self.on_tokens(event)
         except Exception as error:
-            open_ = self.streams.get(event.request_id)
+            request_id = self.engine_ids.get(event.request_id, event.request_id)
+            open_ = self.streams.get(request_id)
             headers, index = (open_.headers, open_.stream.next_index) if open_ else ((), event.index)
+            samples = open_.stream.live_engine_request_ids() if open_ else (event.request_id,)
             if open_ is not None:
-                self._close(event.request_id)
+                self._close(request_id)
+            self.finished.add(request_id)
             self.finished.add(event.request_id)
-            finish = FinishRequest(request_id=event.request_id, reason=FinishReason.ABORT)
             return [
                 error_event(
-                    event.request_id,
+                    request_id,
                     f"the tokenizer failed on its tokens: {error}",
                     ErrorKind.INTERNAL,
                     headers,
                     index,
                 ),
-                Outgoing(topics.TOKENIZED, finish, event.request_id, headers),
+                *self._finish_samples(request_id, samples, headers),
             ]
 
     def on_scheduler_announcement(self, message: SchedulerAnnouncement) -> list[Outgoing]:
@@ -318,17 +349,18 @@ class TokenizerHandler:
         return out
 
     def on_tokens(self, message: GeneratedTokens) -> list[Outgoing]:
-        request_id = message.request_id
-        open_ = self.streams.get(request_id)
-        if open_ is None:
-            if request_id in self.finished:
+        engine_id = message.request_id
+        request_id = self.engine_ids.get(engine_id)
+        open_ = self.streams.get(request_id) if request_id is not None else None
+        if open_ is None or request_id is None:
+            if engine_id in self.finished:
                 return []  # finished already
             # A request not read again yet after a restart: its events wait for it (see the
             # module), and a stream that never comes back is answered by `check_orphans`.
-            orphan = self.orphans.get(request_id)
+            orphan = self.orphans.get(engine_id)
             if orphan is None:
                 start = None if self.generated_position is None else self.generated_position - 1
-                orphan = self.orphans[request_id] = _Orphan(self.clock(), start)
+                orphan = self.orphans[engine_id] = _Orphan(self.clock(), start)
             orphan.events.append(message)
             return []
         update = open_.stream.update(message)
@@ -341,10 +373,11 @@ class TokenizerHandler:
         out: list[Outgoing] = []
         if update.stop_scheduler:
             finish = FinishRequest(
-                request_id=request_id, reason=FinishReason.STOP, stop_reason=str(update.stop_reason)
+                request_id=engine_id, reason=FinishReason.STOP, stop_reason=str(update.stop_reason)
             )
             out.append(Outgoing(topics.TOKENIZED, finish, request_id, open_.headers))
-        if update.finish_reason is not None:
+        out += self._finish_samples(request_id, update.cancel, open_.headers)  # the request failed
+        if open_.stream.finished:
             self._close(request_id)
         out.append(tokens_out(token_event(request_id, update), open_.headers))
         return out
@@ -356,25 +389,46 @@ class TokenizerHandler:
         request_id = getattr(message, "request_id", None)
         if not isinstance(message, EngineRequest | TokenEvent) or request_id is None:
             return [rejected_letter(out, error)]
-        open_ = self.streams.get(request_id)
         if isinstance(message, EngineRequest):
-            if open_ is not None:
-                self._close(request_id)
+            request_id = self.engine_ids.get(request_id, request_id)
+            open_ = self.streams.get(request_id)
+            if open_ is None:
+                return []  # a request that failed already (another of its samples)
+            samples = [e for e in open_.stream.live_engine_request_ids() if e != message.request_id]
+            self._close(request_id)
             error_text = f"the request could not be forwarded: {error}"  # too large for the broker
-            return [error_event(request_id, error_text, ErrorKind.INVALID_REQUEST, out.headers)]
+            return [
+                error_event(request_id, error_text, ErrorKind.INVALID_REQUEST, out.headers),
+                *self._finish_samples(request_id, samples, out.headers),
+            ]
+        open_ = self.streams.get(request_id)
         if message.error is not None and open_ is None:
             return []  # an error event refused: the stream is closed, nothing smaller to say
         out_: list[Outgoing] = []
         if open_ is not None:  # the stream cannot go on without this event
+            samples = open_.stream.live_engine_request_ids()
             self._close(request_id)
-            finish = FinishRequest(request_id=request_id, reason=FinishReason.ABORT)
-            out_.append(Outgoing(topics.TOKENIZED, finish, request_id, out.headers))
+            out_ += self._finish_samples(request_id, samples, out.headers)
         reason = f"an event of this request could not be sent: {error}"
         return [*out_, error_event(request_id, reason, ErrorKind.INTERNAL, out.headers, message.index)]
+
+    @staticmethod
+    def _finish_samples(request_id: str, engine_ids: Sequence[str], headers: Headers) -> list[Outgoing]:
+        """Abort these samples at the scheduler (each answers with its final event)."""
+        return [
+            Outgoing(
+                topics.TOKENIZED, FinishRequest(request_id=e, reason=FinishReason.ABORT), request_id, headers
+            )
+            for e in engine_ids
+        ]
 
     def _close(self, request_id: str) -> None:
         open_ = self.streams.pop(request_id)
         if open_.span is not None:
-            open_.span.set_attribute("parkade.output_tokens", open_.stream.next_index)
+            open_.span.set_attribute("parkade.output_tokens", open_.stream.num_output_tokens)
             open_.span.end()
         self.finished.add(request_id, open_.source)
+        for engine_id in open_.stream.engine_request_ids:
+            self.engine_ids.pop(engine_id, None)
+            if engine_id != request_id:
+                self.finished.add(engine_id, open_.source)

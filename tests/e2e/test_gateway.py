@@ -165,7 +165,7 @@ def test_errors_are_answered_as_openai_clients_expect(module_broker):
         cases = {
             "temperature": dict(prompt="Hi", temperature=-1),
             "max_tokens": dict(prompt="Hi", max_tokens="many"),
-            "n": dict(prompt="Hi", n=2),
+            "n": dict(prompt="Hi", n=129),
             "prompt": dict(prompt="Once " * 600),  # longer than the model's 512 positions
         }
         for name, kwargs in cases.items():
@@ -286,3 +286,50 @@ def test_64_concurrent_streaming_clients_each_get_their_whole_stream_in_order(mo
         reasons = [c.choices[0].finish_reason for c in chunks]
         assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
     assert all_free
+
+
+def test_n_samples_salts_and_chat_options_over_http(module_broker):
+    """`n` gives n choices per prompt (OpenAI's order), equal to the in-process engine's samples;
+    usage counts each prompt once; vLLM's cache_salt and chat options pass through."""
+    params = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    expected = LLM(STORIES, dtype="float32", **ENGINE).generate(PROMPTS[:2], params, use_tqdm=False)
+
+    async def body(pipeline, base_url):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="none")
+        completion = await client.completions.create(
+            model=MODEL, prompt=PROMPTS[:2], n=2, temperature=1.0, seed=11, max_tokens=8,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        streamed: dict[int, str] = {}
+        stream = await client.completions.create(
+            model=MODEL, prompt=PROMPTS[:2], n=2, temperature=1.0, seed=11, max_tokens=8, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        async for chunk in stream:
+            for choice in chunk.choices:
+                streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+        salted = []
+        for salt in ("x", "x", "y"):
+            answer = await client.completions.create(
+                model=MODEL, prompt=PROMPTS[0] * 3, max_tokens=2, temperature=0,
+                extra_body={"cache_salt": salt},
+            )  # fmt: skip
+            salted.append(answer.usage.prompt_tokens_details.cached_tokens)
+        chat = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Tom"}, {"role": "assistant", "content": "Tom had a"}],
+            max_tokens=4, temperature=0,
+            extra_body={"add_generation_prompt": False, "continue_final_message": True},
+        )  # fmt: skip
+        await wait_idle(pipeline)
+        return completion, streamed, salted, chat
+
+    completion, streamed, salted, chat = run_with_gateway(module_broker, body)
+    texts = [c.text for o in expected for c in o.outputs]
+    assert [c.index for c in completion.choices] == [0, 1, 2, 3]
+    assert [c.text for c in completion.choices] == texts
+    assert [streamed[i] for i in range(4)] == texts
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in expected)
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (prompt_tokens, 32)
+    assert salted[0] == 0 and salted[1] > 0 and salted[2] == 0
+    assert chat.choices[0].message.content

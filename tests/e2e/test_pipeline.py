@@ -465,3 +465,60 @@ def test_the_readmes_kcat_commands_stream_a_json_request(bootstrap_servers):
     assert [t for e in events for t in e["token_ids"]] == expected.token_ids
     assert events[-1]["finish_reason"] == "length"
     assert events[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 32, "cached_tokens": 0}
+
+
+def test_parallel_samples_prompt_logprobs_and_cache_salts_through_kafka(bootstrap_servers):
+    """n > 1 streams each sample under its `sample_index`, equal to the in-process engine's; the
+    samples share the prompt's blocks; prompt logprobs come once; salts isolate the cache."""
+    prompt = "Once upon a time, there was a little girl named Lily. She liked to play"
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, prompt_logprobs=1, ignore_eos=True)
+    expected = LLM(STORIES, dtype="float32", **ENGINE).generate([prompt], params, use_tqdm=False)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+
+    async def body(pipeline, prefix):
+        async with Client(bootstrap_servers, prefix) as client:
+            events = [e async for e in client.generate(prompt=prompt, sampling_params=params)]
+            salted = []
+            for salt in ("a", "a", "b", None):
+                request = [
+                    e async for e in client.generate(prompt=prompt, sampling_params=greedy, cache_salt=salt)
+                ]
+                salted.append(request[-1].usage.cached_tokens)
+            request_id = await client.submit(
+                prompt=prompt, sampling_params=SamplingParams(n=2, max_tokens=300, ignore_eos=True)
+            )
+            aborted = []
+            async for event in client.stream(request_id):
+                aborted.append(event)
+                if len(aborted) == 6:
+                    await client.cancel(request_id)
+            final_only = SamplingParams(output_kind=2)
+            refused = [e async for e in client.generate(prompt=prompt, sampling_params=final_only)]
+            await wait_idle(pipeline)
+            kv = pipeline.scheduler.scheduler.kv
+            assert kv.num_free_blocks == kv.num_blocks
+            pipeline.scheduler.scheduler.check_integrity()
+            return events, salted, aborted, refused
+
+    events, salted, aborted, refused = run_with_pipeline(bootstrap_servers, body)
+    for sample in expected.outputs:
+        mine = [e for e in events if e.sample_index == sample.index]
+        assert [t for e in mine for t in e.token_ids] == sample.token_ids
+        assert "".join(e.text for e in mine) == sample.text
+        assert sum(1 for e in mine if e.finish_reason is not None) == 1
+    with_prompt_logprobs = [e for e in events if e.prompt_logprobs is not None]
+    assert len(with_prompt_logprobs) == 1 and with_prompt_logprobs[0].sample_index == 0
+    entries = with_prompt_logprobs[0].prompt_logprobs
+    assert [e.token_ids[0] for e in entries] == expected.prompt_token_ids[1:]
+    for entry, reference in zip(entries, expected.prompt_logprobs[1:], strict=True):
+        assert abs(entry.logprobs[0] - reference[entry.token_ids[0]].logprob) < 1e-4
+    usage = [e.usage for e in events if e.usage is not None]
+    assert len(usage) == 1 and events[-1].usage is not None
+    assert usage[0].completion_tokens == 36 and usage[0].prompt_tokens == len(expected.prompt_token_ids)
+    block = ENGINE["block_size"]
+    assert salted[0] == 0 and salted[1] == (len(expected.prompt_token_ids) - 1) // block * block
+    assert salted[2] == 0  # another salt: no hit, though the prompt is cached
+    assert salted[3] > 0  # unsalted: the first request's blocks
+    assert {e.finish_reason for e in aborted if e.finish_reason} == {"abort"}
+    assert len({e.sample_index for e in aborted if e.finish_reason}) == 2
+    assert refused[-1].finish_reason == "error" and "FINAL_ONLY" in refused[-1].error

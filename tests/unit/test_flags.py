@@ -12,7 +12,7 @@ import pytest
 
 from parkade import up
 from parkade.cli import build_parser
-from parkade.engine.args import EngineArgs
+from parkade.engine.args import ENGINE_ONLY_FIELDS, EngineArgs
 from parkade.kernels.backends import AttentionBackend
 from parkade.schemas import ExecutorAnnouncement
 from parkade.services.bus.runtime import service_parser
@@ -49,6 +49,7 @@ NON_DEFAULTS = {
         device="cpu",
         block_size=8,
         kv_cache_memory_bytes=123456,
+        gpu_memory_utilization=0.5,
         max_model_len=64,
         attention_backend=AttentionBackend.TRITON,
         seed=11,
@@ -124,7 +125,9 @@ def test_defaults_pass_nothing_on_and_offline_takes_every_engine_option():
     from parkade.cli import ENGINE_FLAGS
 
     engine_args = EngineArgs(**flag_values(ENGINE_FLAGS, offline))
-    assert {f.name for f in ENGINE_FLAGS} == {f.name for f in dataclasses.fields(EngineArgs)} - {"seed"}
+    # Not the vLLM arguments only `LLM(...)` reads (EngineOptions): as flags they would mean nothing.
+    expected = {f.name for f in dataclasses.fields(EngineArgs)} - {"seed", *ENGINE_ONLY_FIELDS}
+    assert {f.name for f in ENGINE_FLAGS} == expected and "gpu_memory_utilization" in expected
     assert (engine_args.scheduling_policy, engine_args.block_size) == (SchedulingPolicy.PRIORITY, 8)
 
 

@@ -899,3 +899,84 @@ def test_a_second_request_with_an_id_in_use_or_just_used_gets_an_error_event(sto
     assert handler.on_request(request, (), first) == []  # the first, redelivered after its end
     (reused,) = handler.on_request(request, (), second)
     assert "was used by a request that ended recently" in reused.message.error
+
+
+def test_the_tokenizer_fans_a_request_out_into_samples_and_gathers_their_events(
+    stories_frontend, stories_tokenizer
+):
+    handler = TokenizerHandler(stories_frontend)
+    params = SamplingParams(n=3, seed=5, max_tokens=4, stop=["girl"])
+    out = handler.on_request(GenerateRequest(request_id="r", prompt="Once upon", sampling_params=params))
+    samples = [o.message for o in out]
+    assert [s.request_id for s in samples] == ["r#0", "r#1", "r#2"] and {o.key for o in out} == {"r"}
+    assert [s.sampling_params.seed for s in samples] == [5, 6, 7] and samples[1].sampling_params.n == 1
+    # A client id that names a live sample is refused; so is a request whose samples would.
+    (taken,) = handler.on_request(GenerateRequest(request_id="r#1", prompt="Hi"))
+    assert taken.message.finish_reason == "error" and "in use" in taken.message.error
+    handler.on_request(GenerateRequest(request_id="x#0", prompt="Hi"))
+    (clash,) = handler.on_request(
+        GenerateRequest(request_id="x", prompt="Hi", sampling_params=SamplingParams(n=2))
+    )
+    assert "sample id 'x#0' is in use" in clash.message.error
+
+    girl = stories_tokenizer.encode(" girl", add_special_tokens=False)
+    a_time = stories_tokenizer.encode(" a time", add_special_tokens=False)
+    (first,) = handler.on_generated(GeneratedTokens(request_id="r#1", index=0, token_ids=(a_time[0],)))
+    assert (first.message.request_id, first.message.sample_index) == ("r", 1)
+    finish, stopped = handler.on_generated(GeneratedTokens(request_id="r#2", index=0, token_ids=tuple(girl)))
+    assert finish.topic == topics.TOKENIZED and finish.message.request_id == "r#2"  # that sample only
+    assert stopped.message.finish_reason == "stop" and stopped.message.usage is None  # others run on
+    assert handler.on_generated(GeneratedTokens(request_id="r#2", index=1, token_ids=(5,))) == []
+    (last0,) = handler.on_generated(
+        GeneratedTokens(request_id="r#0", index=0, token_ids=(a_time[0],), finish_reason=FinishReason.LENGTH)
+    )
+    assert last0.message.usage is None
+    (abort,) = handler.on_request(AbortRequest(request_id="r"))  # the one sample still running
+    assert abort.message == FinishRequest(request_id="r#1", reason=FinishReason.ABORT)
+    (last,) = handler.on_generated(
+        GeneratedTokens(request_id="r#1", index=1, token_ids=(), finish_reason=FinishReason.ABORT)
+    )
+    assert last.message.sample_index == 1 and last.message.usage.completion_tokens == 1 + len(girl) + 1
+    assert "r" not in handler.streams and not [e for e in handler.engine_ids if e.startswith("r#")]
+
+
+def test_an_error_on_one_sample_ends_the_request_and_stops_the_other_samples(stories_frontend):
+    handler = TokenizerHandler(stories_frontend)
+    params = SamplingParams(n=2, max_tokens=4)
+    handler.on_request(GenerateRequest(request_id="r", prompt="Once upon", sampling_params=params))
+    refused = GeneratedTokens(
+        request_id="r#1", index=0, token_ids=(), finish_reason=FinishReason.ERROR,
+        error="overloaded", error_kind=ErrorKind.OVERLOADED,
+    )  # fmt: skip
+    out = handler.on_generated(refused)
+    finish = [o.message for o in out if o.topic == topics.TOKENIZED]
+    (error,) = [o.message for o in out if o.topic == topics.TOKENS]
+    assert finish == [FinishRequest(request_id="r#0", reason=FinishReason.ABORT)]
+    assert error.finish_reason == "error" and error.error_kind == ErrorKind.OVERLOADED
+    assert "r" not in handler.streams
+    late = GeneratedTokens(request_id="r#0", index=0, token_ids=(), finish_reason=FinishReason.ABORT)
+    assert handler.on_generated(late) == []  # the aborted sample's last word: nobody waits for it
+
+
+def test_a_restarted_tokenizer_rebuilds_a_request_with_samples(stories_frontend):
+    params = SamplingParams(n=2, max_tokens=2)
+    request = GenerateRequest(request_id="r", prompt="Once upon", sampling_params=params)
+    events = [
+        GeneratedTokens(request_id="r#1", index=0, token_ids=(5,)),
+        GeneratedTokens(request_id="r#0", index=0, token_ids=(6,)),
+        GeneratedTokens(request_id="r#0", index=1, token_ids=(7,), finish_reason=FinishReason.LENGTH),
+    ]
+    handler = TokenizerHandler(stories_frontend)
+    out = []
+    for offset, event in enumerate(events, start=10):
+        out += handler.on_generated(event, offset)
+    assert out == [] and set(handler.orphans) == {"r#0", "r#1"}
+    out = handler.on_request(request, (), (topics.REQUESTS, 0, 4))
+    tokens = [o.message for o in out if o.topic == topics.TOKENS]
+    assert [(e.sample_index, e.index) for e in tokens] == [(0, 0), (0, 1), (1, 0)]  # in order per sample
+    assert [o.message.request_id for o in out if o.topic == topics.TOKENIZED] == ["r#0", "r#1"]
+    assert handler.low_watermarks()[topics.GENERATED] == 10 and not handler.orphans
+    (last,) = handler.on_generated(
+        GeneratedTokens(request_id="r#1", index=1, token_ids=(8,), finish_reason=FinishReason.LENGTH), 13
+    )
+    assert last.message.usage.completion_tokens == 4 and not handler.streams
