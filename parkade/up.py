@@ -69,17 +69,20 @@ SERVICE_FLAGS: dict[str, list[Flag]] = {
     "scheduler": scheduler_main.FLAGS,  # SchedulingOptions' fields and --max-in-flight
     "gateway": gateway_main.FLAGS,
 }
-# What every service takes from the "model" group: not added again with its own flags.
-_MODEL_FLAGS = ("model", "tokenizer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser.add_argument_group("model"), SERVICE_FLAGS["tokenizer"])
-    executor = [f for f in SERVICE_FLAGS["executor"] if f.name not in _MODEL_FLAGS]
-    add_flags(parser.add_argument_group("executor (KV pool, device)"), executor)
-    add_flags(parser.add_argument_group("scheduler (batching, admission)"), SERVICE_FLAGS["scheduler"])
-    gateway = [f for f in SERVICE_FLAGS["gateway"] if f.name not in (*_MODEL_FLAGS, "max_model_len")]
-    add_flags(parser.add_argument_group("gateway (OpenAI HTTP API)"), gateway)
+    # A setting several services take (model, max_model_len, ...) is one flag, in its first group.
+    seen: set[str] = set()
+    for group, service in (
+        ("model", "tokenizer"),
+        ("executor (KV pool, device)", "executor"),
+        ("scheduler (batching, admission)", "scheduler"),
+        ("gateway (OpenAI HTTP API)", "gateway"),
+    ):
+        flags = [f for f in SERVICE_FLAGS[service] if f.name not in seen]
+        seen.update(f.name for f in flags)
+        add_flags(parser.add_argument_group(group), flags)
     local = parser.add_argument_group("this machine")
     local.add_argument("--topic-prefix", default=DEFAULT_PREFIX, help=f"(default: {DEFAULT_PREFIX})")
     local.add_argument(

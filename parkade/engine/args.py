@@ -50,6 +50,9 @@ class EngineArgs(TokenizerOptions, ExecutorOptions, SchedulingOptions, EngineOpt
         TypeError for an unknown name, listing the known ones."""
         check_unsupported(kwargs)
         kwargs = without_unsupported(kwargs)
+        # None asks for the default, as in vLLM (whose EngineArgs mostly default to None).
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in kwargs.items() if v is not None or defaults.get(k) is None}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -104,8 +104,7 @@ class AsyncLLM:
                     if queue is not None:
                         queue.put_nowait(error)
             else:
-                output = self.engine.abort(arg)
-                self._deliver([output] if output is not None else [])
+                self._deliver(self.engine.abort(arg))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -55,6 +55,9 @@ class Engine:
             args.options(TokenizerOptions), skip_tokenizer_init=skip_tokenizer_init
         )
         self.model_config, scheduler, executor = build_engine_parts(args)
+        # The engine's limit (the executor's, which the pool may lower) is the front end's too:
+        # truncate_prompt_tokens=-1 cuts a prompt to it.
+        self.frontend.max_model_len = scheduler.config.max_model_len
         self.core = EngineCore(scheduler, executor)
         self.stat_logger = None if args.disable_log_stats else StatLogger(scheduler)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -105,9 +108,9 @@ class Engine:
     ) -> None:
         self.add_prepared(self.prepare(request_id, prompt, params, priority))
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Finish a request (every sample) with finish_reason "abort"; its final output, or None
-        if unknown or finished."""
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Finish a request (every sample still running) with finish_reason "abort"; the outputs
+        that says (one per sample, or one for all with FINAL_ONLY; none if unknown or finished)."""
         events = [
             event
             for engine_id in self.output_processor.engine_request_ids(request_id)
@@ -115,8 +118,7 @@ class Engine:
         ]
         outputs, _ = self.output_processor.process(events)
         self.output_processor.abort(request_id)  # (gone already, unless the scheduler knew none)
-        finished = [o for o in outputs if o.finished]
-        return finished[-1] if finished else None
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

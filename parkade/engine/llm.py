@@ -7,6 +7,7 @@ print(outputs[0].outputs[0].text)
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +24,7 @@ from parkade.engine.outputs import RequestOutput
 from parkade.models import DEFAULT_MODEL
 from parkade.schemas import ChatMessage, RequestOutputKind, SamplingParams
 from parkade.services.common.prompts import ChatOptions, ChatType
+from parkade.services.scheduler.scheduler import OverloadedError
 from parkade.services.tokenizer.frontend import PromptType, RequestStream
 
 
@@ -156,17 +158,35 @@ class LLM:
         ]
 
     def _run(self, streams: list[RequestStream], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
-        """Queue prepared requests, step until all finished; their outputs in the same order."""
-        for stream in streams:
-            self.engine.add_prepared(stream)
+        """Queue prepared requests, step until all finished; their outputs in the same order.
+
+        Requests join as the scheduler's waiting queue has room (its bounds protect a server; a
+        batch job waits for room instead, as vLLM's offline engine has no bound). If anything
+        raises (a failed step, Ctrl-C), the requests of this call still running are aborted, so
+        that the engine serves the next call."""
+        pending = collections.deque(streams)
+        mine = {stream.request_id for stream in streams}
         progress = _Progress(len(streams), use_tqdm)
         finished: dict[str, RequestOutput] = {}
         try:
             while len(finished) < len(streams):
+                while pending:
+                    try:
+                        self.engine.add_prepared(pending[0])
+                    except OverloadedError:
+                        if not self.engine.has_unfinished_requests():
+                            raise  # it cannot join even an idle engine
+                        break
+                    pending.popleft()
                 for output in self.engine.step():
-                    if output.finished:
+                    if output.finished and output.request_id in mine:
                         finished[output.request_id] = output
                         progress.done(output)
+        except BaseException:
+            for stream in streams:
+                if stream.request_id not in finished:
+                    self.engine.abort(stream.request_id)  # (a no-op for one never added)
+            raise
         finally:
             progress.close()
         return [finished[stream.request_id] for stream in streams]

@@ -129,7 +129,12 @@ class OutputProcessor:
             finished=stream.finished,
             num_cached_tokens=stream.num_cached_tokens,
             metrics=metrics,
-            prompt_logprobs=entry.prompt_logprobs,
+            # DELTA: only the output they came with (vLLM sends them once).
+            prompt_logprobs=(
+                entry.prompt_logprobs
+                if entry.kind is not RequestOutputKind.DELTA or update.prompt_logprobs is not None
+                else None
+            ),
         )
 
     @staticmethod

@@ -223,6 +223,10 @@ class RequestClient:
                 event = await self._next_event(queue, request_id, deadline)
                 if isinstance(event, BaseException):
                     raise event
+                if event.error is not None:  # the request failed: it ends every sample
+                    finished = True
+                    yield event
+                    break
                 sample = event.sample_index
                 if not 0 <= sample < opened.num_samples or sample in done:
                     continue  # not a sample of this request, or a late duplicate
@@ -231,7 +235,7 @@ class RequestClient:
                 next_index[sample] = event.index + len(event.token_ids)
                 if event.finish_reason is not None:
                     done.add(sample)
-                finished = len(done) == opened.num_samples or event.error is not None
+                finished = len(done) == opened.num_samples
                 yield event
         finally:
             self._streams.pop(request_id, None)

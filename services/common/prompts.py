@@ -14,6 +14,12 @@ from parkade.schemas import ChatMessage
 ChatType = Sequence[ChatMessage | Mapping[str, str]]
 
 
+# What `render_chat` passes to apply_chat_template itself.
+_RENDER_ARGUMENTS = frozenset(
+    {"conversation", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message"}
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ChatOptions:
     """How a chat is rendered into a prompt (vLLM's `LLM.chat` and OpenAI-server options):
@@ -29,6 +35,9 @@ class ChatOptions:
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
+        taken = sorted(set(self.chat_template_kwargs or ()) & _RENDER_ARGUMENTS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: pass them as options")
 
     @classmethod
     def of(cls, request: Any) -> ChatOptions:

@@ -11,6 +11,7 @@ it, ids outside its vocabulary: 400), so that such a request never travels throu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,10 @@ class GatewayOptions:
     max_body_bytes: int = field(
         default=DEFAULT_MAX_BODY_BYTES, metadata={"help": "larger request bodies are refused (413)"}
     )
+    trust_request_chat_template: bool = field(
+        default=False,
+        metadata={"help": "let requests carry their own chat_template (code that runs: see the tokenizer's)"},
+    )
 
 
 @dataclass
@@ -68,13 +73,21 @@ class Opened:
 
 class GatewayHandler:
     def __init__(
-        self, tokenizer: Any, *, model_name: str, root: str, vocab_size: int, max_model_len: int
+        self,
+        tokenizer: Any,
+        *,
+        model_name: str,
+        root: str,
+        vocab_size: int,
+        max_model_len: int,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.root = root
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.trust_request_chat_template = trust_request_chat_template
         self.created = int(time.time())
         self._anchor = tokenizer.encode("a", add_special_tokens=False)[-1]
         self._anchor_text = tokenizer.decode([self._anchor])
@@ -93,6 +106,7 @@ class GatewayHandler:
             max_model_len=min(
                 options.max_model_len or config.max_position_embeddings, config.max_position_embeddings
             ),
+            trust_request_chat_template=options.trust_request_chat_template,
         )
 
     def models(self) -> dict[str, Any]:
@@ -116,6 +130,19 @@ class GatewayHandler:
             raise GatewayError(
                 404, f"The model `{request.model}` does not exist.", "model", "model_not_found"
             )
+        options = request.chat_options
+        if options is not None and options.chat_template is not None and not self.trust_request_chat_template:
+            raise GatewayError(
+                400,
+                "chat_template is refused: this server uses the model's own (start it with "
+                "--trust-request-chat-template to allow requests' templates)",
+                "chat_template",
+            )
+        if request.params.truncate_prompt_tokens == -1:
+            # -1 is this server's max_model_len: said as a number, so that the tokenizer cuts the
+            # same prompt (its own limit may be the model's).
+            params = msgspec.structs.replace(request.params, truncate_prompt_tokens=self.max_model_len)
+            request = dataclasses.replace(request, params=params)
         answer = Answer.new(chat, self.model_name)
         submits, choices = [], []
         n = request.params.n

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -382,7 +383,10 @@ class Gateway:
             body = answer.chunk(request.chat, choice, event, token_text, offset, index not in shown)
             shown.add(index)
             if request.continuous_usage:
-                body["usage"] = answer.usage_chunk(request.chat, [choice])["usage"]
+                # This choice's usage: its prompt is counted on its prompt's first sample only.
+                prompt = opened.choices[index - index % request.params.n]
+                alone = dataclasses.replace(choice, num_prompt_tokens=prompt.num_prompt_tokens)
+                body["usage"] = answer.usage_chunk(request.chat, [alone])["usage"]
             return _json(body)
 
         try:

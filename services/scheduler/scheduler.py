@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from parkade.schemas import (
     CachedRequestData,
     EngineRequest,
@@ -291,12 +293,16 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             self.kv.record_admission(request, num_hit)
+            params = request.sampling_params
+            if params.prompt_logprobs is not None and request.prompt_logprobs is None:
+                # Sent with its first token already: a recompute needs no prompt logprobs.
+                params = msgspec.structs.replace(params, prompt_logprobs=None)
             new_requests.append(
                 NewRequestData(
                     request_id=request.request_id,
                     token_ids=tuple(request.all_token_ids),
                     num_prompt_tokens=request.num_prompt_tokens,
-                    sampling_params=request.sampling_params,
+                    sampling_params=params,
                     block_ids=tuple(request.block_ids),
                     num_computed_tokens=num_hit,
                     eos_token_ids=request.eos_token_ids,

@@ -57,6 +57,24 @@ class TokenizerOptions:
     tokenizer: str | Path | None = field(
         default=None, metadata={"help": "folder of the tokenizer (tokenizer.json); unset: the model's"}
     )
+    max_model_len: int | None = field(
+        default=None,
+        metadata={"help": "longest request, prompt + output; unset: the model's, or what the pool holds"},
+    )
+    trust_request_chat_template: bool = field(
+        default=False,
+        metadata={
+            "help": "let requests from the topics (and the gateway's) carry their own chat_template: a "
+            "template is code that runs, and one that loops or allocates without end takes the service "
+            "down (vLLM's --trust-request-chat-template); LLM.chat's chat_template is the script's own"
+        },
+    )
+
+
+# The most prompt logprob entries (positions x (1 + top k)) a request on the topics may ask for:
+# they travel in one record (the first token's event), and Kafka's default record limit is 1 MiB;
+# an entry is about 18 bytes in msgpack and 30 in JSON.
+MAX_WIRE_PROMPT_LOGPROB_ENTRIES = 20_000
 
 
 def prompt_fields(prompt: PromptType) -> dict[str, Any]:
@@ -240,6 +258,7 @@ class FrontEnd:
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
         max_model_len: int | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -248,6 +267,7 @@ class FrontEnd:
         # the scheduler refuses; a prompt over this could never run anywhere, and an absurdly
         # long one must not travel further (a record over the broker's size limit).
         self.max_model_len = max_model_len
+        self.trust_request_chat_template = trust_request_chat_template
         self._last_arrival = 0.0
 
     @classmethod
@@ -257,11 +277,13 @@ class FrontEnd:
         check_model_folder(options.model, weights=False, tokenizer=False)  # load_tokenizer checks its own
         config = ModelConfig.from_pretrained(options.model)
         tokenizer = None if skip_tokenizer_init else load_tokenizer(options.tokenizer or options.model)
+        limit = config.max_position_embeddings
         return cls(
             tokenizer,
             vocab_size=config.vocab_size,
             eos_token_ids=config.eos_token_ids,
-            max_model_len=config.max_position_embeddings,
+            max_model_len=min(options.max_model_len or limit, limit),
+            trust_request_chat_template=options.trust_request_chat_template,
         )
 
     def make_request(
@@ -329,7 +351,26 @@ class FrontEnd:
         return msgspec.structs.replace(params, bad_words_token_ids=tuple(sequences))
 
     def make_request_from(self, message: GenerateRequest) -> tuple[EngineRequest, RequestStream]:
-        """`make_request` for a request from the requests topic."""
+        """`make_request` for a request from the requests topic, with the checks of what a client
+        may not ask across Kafka (ValueError naming it)."""
+        if message.chat_template is not None and not self.trust_request_chat_template:
+            raise ValueError(
+                "chat_template in a request is refused: this tokenizer uses the model's own (start it "
+                "with --trust-request-chat-template to allow requests' templates)"
+            )
+        request, stream = self._make_request_from(message)
+        params = message.sampling_params
+        if params.prompt_logprobs is not None:
+            entries = (len(request.prompt_token_ids) - 1) * (params.prompt_logprobs + 1)
+            if entries > MAX_WIRE_PROMPT_LOGPROB_ENTRIES:
+                raise ValueError(
+                    f"prompt_logprobs={params.prompt_logprobs} over a {len(request.prompt_token_ids)}-token "
+                    f"prompt is {entries} entries, more than one Kafka record carries "
+                    f"({MAX_WIRE_PROMPT_LOGPROB_ENTRIES}): ask for fewer, or use the Python API"
+                )
+        return request, stream
+
+    def _make_request_from(self, message: GenerateRequest) -> tuple[EngineRequest, RequestStream]:
         return self.make_request(
             message.request_id,
             prompt=message.prompt,

@@ -228,3 +228,69 @@ def test_async_output_kinds_with_samples():
         cumulative[completion.index] = completion.text
     assert [cumulative[0], cumulative[1]] == texts
     assert seen[RequestOutputKind.CUMULATIVE][-1].finished
+
+
+# ---- what a batch job and a server must survive (review of the change) -------------------------
+def test_generate_waits_for_room_and_an_interrupted_call_leaves_nothing_behind():
+    llm = LLM(STORIES, dtype="float32", max_model_len=256, block_size=8, max_waiting_requests=4)
+    params = SamplingParams(n=2, temperature=0, max_tokens=4)
+    outputs = llm.generate([f"Story {i}" for i in range(6)], params, use_tqdm=False)  # 12 samples
+    assert [len(o.outputs) for o in outputs] == [2] * 6
+
+    class Interrupt(Exception):
+        pass
+
+    def interrupting_bar(**kwargs):
+        class Bar:
+            def set_postfix_str(self, *a, **k):
+                pass
+
+            def update(self, n):
+                raise Interrupt  # as a Ctrl-C after the first request finished
+
+            def close(self):
+                pass
+
+        return Bar()
+
+    with pytest.raises(Interrupt):
+        llm.generate(
+            ["Tom", "Lily went to", "The cat"], SamplingParams(max_tokens=40), use_tqdm=interrupting_bar
+        )
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.output_processor.requests
+    again = llm.generate(["Tom"], greedy(max_tokens=3), use_tqdm=False)
+    assert len(again) == 1 and len(again[0].outputs[0].token_ids) == 3
+
+
+def test_truncation_to_the_engines_max_model_len_and_chat_kwargs_that_collide():
+    llm = LLM(STORIES, dtype="float32", max_model_len=64, block_size=8)
+    prompt = {"prompt_token_ids": list(range(100, 322))}
+    out = llm.generate(prompt, greedy(max_tokens=2, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == list(range(258, 322))  # the engine's 64, not the model's 512
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set add_generation_prompt"):
+        llm.chat(CONVERSATION, greedy(), chat_template_kwargs={"add_generation_prompt": False})
+    assert LLM(
+        STORIES, dtype="float32", enable_prefix_caching=None, max_num_seqs=None
+    ).engine.args.enable_prefix_caching
+
+
+def test_aborting_a_request_with_samples_ends_each_sample_and_delta_sends_prompt_logprobs_once():
+    async def run():
+        engine = AsyncLLM(STORIES, dtype="float32", max_model_len=256, block_size=8)
+        try:
+            params = SamplingParams(n=3, max_tokens=200, ignore_eos=True)
+            seen = []
+            async for output in engine.generate("The dog", params, request_id="a"):
+                seen.append(output)
+                if len(seen) == 4:
+                    await engine.abort("a")
+            delta = SamplingParams(n=2, max_tokens=5, prompt_logprobs=1, output_kind=RequestOutputKind.DELTA)
+            deltas = [o async for o in engine.generate("The dog ran", delta, request_id="d")]
+            return seen, deltas
+        finally:
+            await engine.shutdown()
+
+    seen, deltas = asyncio.run(run())
+    ended = {o.outputs[0].index for o in seen if o.outputs[0].finish_reason == "abort"}
+    assert ended == {0, 1, 2} and seen[-1].finished
+    assert sum(o.prompt_logprobs is not None for o in deltas) == 1

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from parkade.client import Client, PipelineGoneError
-from parkade.schemas import AbortRequest, FinishReason, TokenEvent, topics
+from parkade.schemas import AbortRequest, FinishReason, SamplingParams, TokenEvent, topics
 from parkade.services.bus import MemoryBus
 from parkade.services.bus import client as client_module
 
@@ -93,3 +93,30 @@ def test_a_silent_pipeline_or_a_lost_broker_ends_the_stream_with_one_error(monke
             await client.cancel(request_id)  # the broker is gone: nothing to abort, no exception
 
     asyncio.run(main())
+
+
+def test_a_stream_of_samples_ends_when_every_sample_finished_or_at_an_error():
+    async def main():
+        bus = MemoryBus()
+        async with Client(bus=bus, topic_prefix=PREFIX, own_reply_topic=False) as client:
+            params = SamplingParams(n=2)
+            await client.submit(prompt="Hi", request_id="ok", sampling_params=params)
+            await client.submit(prompt="Hi", request_id="bad", sampling_params=params)
+            ok, bad = request_traceparent(bus, "ok"), request_traceparent(bus, "bad")
+            for event in (
+                TokenEvent(request_id="ok", index=0, token_ids=(5,), sample_index=1),
+                TokenEvent(request_id="ok", index=0, token_ids=(5,), sample_index=0, finish_reason="length"),
+                TokenEvent(request_id="ok", index=0, token_ids=(5,), sample_index=0),  # a late duplicate
+                TokenEvent(request_id="ok", index=1, token_ids=(6,), sample_index=1, finish_reason="length"),
+            ):
+                await send_event(bus, event, ok)
+            # Sample 0 ended, then the request failed: the error event (sample 0's) still ends it.
+            first_done = TokenEvent(request_id="bad", index=0, sample_index=0, finish_reason="stop")
+            await send_event(bus, first_done, bad)
+            failed = TokenEvent(request_id="bad", index=1, finish_reason=FinishReason.ERROR, error="lost")
+            await send_event(bus, failed, bad)
+            return [e async for e in client.stream("ok")], [e async for e in client.stream("bad")]
+
+    ok, bad = asyncio.run(main())
+    assert [(e.sample_index, e.index) for e in ok] == [(1, 0), (0, 0), (1, 1)]
+    assert bad[-1].error == "lost" and len(bad) == 2

@@ -56,7 +56,12 @@ NON_DEFAULTS = {
         cpu_matmul_upcast=False,
         enforce_eager=True,
     ),
-    TokenizerOptions: dict(model=Path("/models/llama"), tokenizer=Path("/models/llama-tokenizer")),
+    TokenizerOptions: dict(
+        model=Path("/models/llama"),
+        tokenizer=Path("/models/llama-tokenizer"),
+        max_model_len=64,
+        trust_request_chat_template=True,
+    ),
 }
 
 

@@ -151,3 +151,19 @@ def test_a_pipeline_error_maps_to_a_status_and_an_error_chunk():
     assert Answer.new(False, MODEL).error_chunk(unknown) == {
         "error": {"message": "x", "type": "server_error", "param": None, "code": None}
     }
+
+
+def test_samples_are_choices_and_requests_templates_need_trust(handler):
+    opened = handler.open(False, body(prompt=["Once upon", "Lily"], n=3, cache_salt="t1"))
+    assert [c.index for c in opened.choices] == list(range(6))
+    assert [c.num_prompt_tokens > 0 for c in opened.choices] == [True, False, False] * 2  # once a prompt
+    assert all(s["cache_salt"] == "t1" and s["sampling_params"].n == 3 for s in opened.submits)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    chat = body(messages=[{"role": "user", "content": "Hi"}], chat_template=template)
+    with pytest.raises(GatewayError, match="chat_template is refused") as error:
+        handler.open(True, chat)
+    assert error.value.param == "chat_template"
+    trusting = GatewayHandler.from_options(GatewayOptions(trust_request_chat_template=True))
+    assert trusting.open(True, chat).submits[0]["chat"].chat_template == template
+    cut = handler.open(False, body(prompt="Once upon a time", truncate_prompt_tokens=-1))
+    assert cut.submits[0]["sampling_params"].truncate_prompt_tokens == 512  # its limit, as a number

@@ -980,3 +980,28 @@ def test_a_restarted_tokenizer_rebuilds_a_request_with_samples(stories_frontend)
         GeneratedTokens(request_id="r#1", index=1, token_ids=(8,), finish_reason=FinishReason.LENGTH), 13
     )
     assert last.message.usage.completion_tokens == 4 and not handler.streams
+
+
+def test_what_a_request_on_the_topics_may_not_ask(stories_frontend, monkeypatch):
+    handler = TokenizerHandler(stories_frontend)
+    messages = (ChatMessage(role="user", content="hi"),)
+    templated = GenerateRequest(request_id="t", messages=messages, chat_template="{{ messages[0].content }}")
+    (refused,) = handler.on_request(templated)
+    assert refused.message.finish_reason == "error"
+    assert "--trust-request-chat-template" in refused.message.error
+    trusting = TokenizerHandler(FrontEnd.from_options(TokenizerOptions(trust_request_chat_template=True)))
+    (accepted,) = trusting.on_request(templated)
+    assert accepted.topic == topics.TOKENIZED
+    # The bound as it would be for a model longer than this one's 512 positions.
+    monkeypatch.setattr("parkade.services.tokenizer.frontend.MAX_WIRE_PROMPT_LOGPROB_ENTRIES", 5_000)
+    long_prompt = tuple(range(3, 503))  # 500 tokens x (1 + 20) entries: more than one record carries
+    big_ask = GenerateRequest(
+        request_id="p", prompt_token_ids=long_prompt, sampling_params=SamplingParams(prompt_logprobs=20)
+    )
+    (big,) = handler.on_request(big_ask)
+    assert "prompt_logprobs=20 over a 500-token prompt" in big.message.error
+    small_ask = GenerateRequest(
+        request_id="q", prompt_token_ids=long_prompt, sampling_params=SamplingParams(prompt_logprobs=1)
+    )
+    (ok,) = handler.on_request(small_ask)
+    assert ok.topic == topics.TOKENIZED
