@@ -104,6 +104,7 @@ class _Common(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's; refused here (see `_refuse_unsupported`)
 
 
 class CompletionBody(_Common, kw_only=True):
@@ -184,6 +185,12 @@ def _refuse_unsupported(body: _Common) -> None:
         raise GatewayError(400, f"n must be in [1, {MAX_N}]", "n")
     if body.best_of not in (None, body.n):
         raise GatewayError(400, "best_of is not supported (as in vLLM V1): use n", "best_of")
+    if body.prompt_logprobs is not None:
+        raise GatewayError(
+            400,
+            "prompt_logprobs is not served over HTTP: use the Python API or the Kafka topics",
+            "prompt_logprobs",
+        )
 
 
 def _logit_bias(body: _Common) -> dict[int, float] | None:

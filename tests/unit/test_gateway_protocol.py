@@ -55,6 +55,7 @@ def test_completion_fields_become_sampling_params_with_openais_defaults():
         (dict(prompt="Hi", logit_bias={"x": 1.0}), "logit_bias", "logit_bias keys must be token ids"),
         (dict(prompt="Hi", logit_bias={"5": 500.0}), "logit_bias", "logit_bias must be"),
         (dict(prompt="Hi", cache_salt=""), "cache_salt", "cache_salt must be"),
+        (dict(prompt="Hi", prompt_logprobs=1), "prompt_logprobs", "not served over HTTP"),
         (dict(prompt=[1, "a"]), "prompt", "prompt must be"),
         (dict(prompt="Hi", stream_options={"include_usage": True}), "stream_options", "only allowed"),
     ],
