@@ -66,3 +66,7 @@ MODEL_METADATA = {
     "help": "a local Hugging Face model folder (config.json, *.safetensors, tokenizer.json)",
     "default_text": f"{DEFAULT_MODEL_NAME}, shipped with Parkade",
 }
+# The `max_model_len` field of the executor's and the tokenizer's options (one setting of both).
+MAX_MODEL_LEN_METADATA = {
+    "help": "longest request, prompt + output; unset: the model's, or what the pool holds"
+}

@@ -12,7 +12,7 @@ from typing import Any
 from parkade.kernels.backends import AttentionBackend
 from parkade.models import DEFAULT_MODEL
 from parkade.services.common.model_config import DTYPE_NAMES, check_dtype_name
-from parkade.services.common.model_files import MODEL_METADATA
+from parkade.services.common.model_files import MAX_MODEL_LEN_METADATA, MODEL_METADATA
 
 DType = Any  # a torch.dtype (not named, to keep torch out of this module)
 
@@ -56,10 +56,7 @@ class ExecutorOptions:
             "kv_cache_memory_bytes"
         },
     )
-    max_model_len: int | None = field(
-        default=None,
-        metadata={"help": "longest request, prompt + output; unset: the model's, or what the pool holds"},
-    )
+    max_model_len: int | None = field(default=None, metadata=MAX_MODEL_LEN_METADATA)
     attention_backend: AttentionBackend = field(
         default=AttentionBackend.AUTO,
         metadata={

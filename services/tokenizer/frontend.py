@@ -40,7 +40,12 @@ from parkade.schemas import (
 )
 from parkade.services.common import prompts
 from parkade.services.common.model_config import ModelConfig
-from parkade.services.common.model_files import MODEL_METADATA, check_model_folder, load_tokenizer
+from parkade.services.common.model_files import (
+    MAX_MODEL_LEN_METADATA,
+    MODEL_METADATA,
+    check_model_folder,
+    load_tokenizer,
+)
 from parkade.services.common.prompts import ChatOptions, ChatType
 from parkade.services.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -57,10 +62,7 @@ class TokenizerOptions:
     tokenizer: str | Path | None = field(
         default=None, metadata={"help": "folder of the tokenizer (tokenizer.json); unset: the model's"}
     )
-    max_model_len: int | None = field(
-        default=None,
-        metadata={"help": "longest request, prompt + output; unset: the model's, or what the pool holds"},
-    )
+    max_model_len: int | None = field(default=None, metadata=MAX_MODEL_LEN_METADATA)
     trust_request_chat_template: bool = field(
         default=False,
         metadata={
