@@ -144,18 +144,16 @@ class LLM:
     ) -> list[SamplingParams]:
         """One SamplingParams per prompt, each with output_kind FINAL_ONLY: `generate` and
         `chat` return finished requests only (vLLM does the same)."""
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * count
+        def final_only(p: SamplingParams) -> SamplingParams:
+            if p.output_kind is RequestOutputKind.FINAL_ONLY:
+                return p
+            return msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return [final_only(sampling_params or SamplingParams())] * count  # one copy for all
         if len(sampling_params) != count:
             raise ValueError("sampling_params must be one per prompt")
-        return [
-            p
-            if p.output_kind is RequestOutputKind.FINAL_ONLY
-            else msgspec.structs.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-            for p in sampling_params
-        ]
+        return [final_only(p) for p in sampling_params]
 
     def _run(self, streams: list[RequestStream], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
         """Queue prepared requests, step until all finished; their outputs in the same order.

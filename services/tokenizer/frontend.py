@@ -360,7 +360,16 @@ class FrontEnd:
                 "chat_template in a request is refused: this tokenizer uses the model's own (start it "
                 "with --trust-request-chat-template to allow requests' templates)"
             )
-        request, stream = self._make_request_from(message)
+        request, stream = self.make_request(
+            message.request_id,
+            prompt=message.prompt,
+            prompt_token_ids=message.prompt_token_ids,
+            messages=message.messages,
+            sampling_params=message.sampling_params,
+            priority=message.priority,
+            cache_salt=message.cache_salt,
+            chat=ChatOptions.of(message),
+        )
         params = message.sampling_params
         if params.prompt_logprobs is not None:
             entries = (len(request.prompt_token_ids) - 1) * (params.prompt_logprobs + 1)
@@ -371,18 +380,6 @@ class FrontEnd:
                     f"({MAX_WIRE_PROMPT_LOGPROB_ENTRIES}): ask for fewer, or use the Python API"
                 )
         return request, stream
-
-    def _make_request_from(self, message: GenerateRequest) -> tuple[EngineRequest, RequestStream]:
-        return self.make_request(
-            message.request_id,
-            prompt=message.prompt,
-            prompt_token_ids=message.prompt_token_ids,
-            messages=message.messages,
-            sampling_params=message.sampling_params,
-            priority=message.priority,
-            cache_salt=message.cache_salt,
-            chat=ChatOptions.of(message),
-        )
 
     def prompt_token_ids(
         self,

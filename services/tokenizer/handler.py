@@ -48,6 +48,7 @@ from parkade.schemas import (
     SchedulerAnnouncement,
     TokenEvent,
     TokenizerAnnouncement,
+    sample_request_id,
     topics,
 )
 from parkade.services.bus.base import Headers, Outgoing
@@ -195,6 +196,18 @@ class TokenizerHandler:
                 "new tokens; keep the events until the one with finish_reason"
             )
             return [error_event(request_id, error, ErrorKind.INVALID_REQUEST, headers)]
+        n = message.sampling_params.n
+        taken = [
+            e
+            for e in (sample_request_id(request_id, i, n) for i in range(n))
+            if e in self.engine_ids or (e != request_id and e in self.finished)
+        ]
+        if taken:
+            # A sample id that names another live or recent request (a client chose "x#1"):
+            # two requests would share the scheduler's record.
+            error = f"request id {request_id!r}: its sample id {taken[0]!r} is in use; use another id"
+            self.finished.add(request_id, source)
+            return [error_event(request_id, error, ErrorKind.INVALID_REQUEST, headers)]
         span = tracing.start_span("tokenize", headers, attributes={"parkade.request_id": request_id})
         try:
             request, stream = self.frontend.make_request_from(message)
@@ -205,17 +218,6 @@ class TokenizerHandler:
             return [error_event(request_id, str(error), ErrorKind.INVALID_REQUEST, headers)]
         span.set_attribute("parkade.prompt_tokens", len(request.prompt_token_ids))
         span.end()
-        taken = [
-            e
-            for e in stream.engine_request_ids
-            if e in self.engine_ids or (e != request_id and e in self.finished)
-        ]
-        if taken:
-            # A sample id that names another live or recent request (a client chose "x#1"):
-            # two requests would share the scheduler's record.
-            error = f"request id {request_id!r}: its sample id {taken[0]!r} is in use; use another id"
-            self.finished.add(request_id, source)
-            return [error_event(request_id, error, ErrorKind.INVALID_REQUEST, headers)]
         if tracing.enabled() and not tracing.carries_context(headers):
             # A request from a client that traces nothing (kcat, plain Kafka), or whose context is
             # malformed: its trace starts here, and every record about it carries it on.
