@@ -179,7 +179,8 @@ def decode_attention(
     heads_per_item = 1
     if num_decodes >= 2 * threads:
         heads_per_item = max(
-            k for k in range(1, num_kv_heads + 1)
+            k
+            for k in range(1, num_kv_heads + 1)
             if num_kv_heads % k == 0 and k * head_dim <= MAX_WIDTH and k * group <= MAX_HEADS
         )
     qf = q.to(torch.float32).contiguous()

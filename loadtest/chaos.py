@@ -78,7 +78,7 @@ def start_up(home: Path, model: Path) -> subprocess.Popen:
     env = {**os.environ, "PARKADE_HOME": str(home)}
     env.pop("KAFKA_BOOTSTRAP_SERVERS", None)
     log = (home / "up.log").open("w")
-    cmd = [sys.executable, "-m", "parkade.cli", "up", "--dtype", "float32", "--model", str(model)]
+    cmd = [sys.executable, "-P", "-m", "parkade.cli", "up", "--dtype", "float32", "--model", str(model)]
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 

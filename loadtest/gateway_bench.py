@@ -48,7 +48,7 @@ def start_up(home: Path, extra: list[str]) -> tuple[subprocess.Popen, dict]:
     env = {**os.environ, "PARKADE_HOME": str(home)}
     env.pop("KAFKA_BOOTSTRAP_SERVERS", None)
     log = (home / "up.log").open("w")
-    cmd = [sys.executable, "-m", "parkade.cli", "up", "--http-port", "0", *extra]
+    cmd = [sys.executable, "-P", "-m", "parkade.cli", "up", "--http-port", "0", *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     state_file = home / "up.json"
     deadline = time.monotonic() + 300

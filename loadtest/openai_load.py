@@ -47,8 +47,14 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-DEFAULT_PROMPTS = ["Once upon a time", "Lily and Tom", "The big dog", "One day, a girl", "Tim had a ball",
-                   "Mom said"]
+DEFAULT_PROMPTS = [
+    "Once upon a time",
+    "Lily and Tom",
+    "The big dog",
+    "One day, a girl",
+    "Tim had a ball",
+    "Mom said",
+]
 MAX_ERRORS = 5  # distinct error messages kept per run; the counts are always complete
 
 
@@ -70,8 +76,15 @@ def arrival_times(n: int, rate: float, kind: str = "poisson", seed: int = 0) -> 
     return list(itertools.accumulate((rng.expovariate(rate) for _ in range(n - 1)), initial=0.0))[:n]
 
 
-def build_request(endpoint: str, model: str, prompt: str, max_tokens: int, temperature: float,
-                  seed: int | None = None, ignore_eos: bool = False) -> tuple[str, dict]:
+def build_request(
+    endpoint: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    temperature: float,
+    seed: int | None = None,
+    ignore_eos: bool = False,
+) -> tuple[str, dict]:
     """(path under the base URL, JSON body) of one streaming request."""
     common: dict = {"temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
     if seed is not None:
@@ -79,8 +92,12 @@ def build_request(endpoint: str, model: str, prompt: str, max_tokens: int, tempe
     if ignore_eos:
         common["ignore_eos"] = True  # vLLM's extension; strict OpenAI servers reject unknown fields
     if endpoint == "chat":
-        return "/chat/completions", {"model": model, "messages": [{"role": "user", "content": prompt}],
-                                     "max_completion_tokens": max_tokens, **common}
+        return "/chat/completions", {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_completion_tokens": max_tokens,
+            **common,
+        }
     return "/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, **common}
 
 
@@ -133,8 +150,9 @@ def feed_line(res: RequestResult, endpoint: str, line: str, elapsed: float) -> N
         res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
 
 
-async def send_one(client: httpx.AsyncClient, url: str, body: dict, endpoint: str,
-                   timeout: float) -> RequestResult:
+async def send_one(
+    client: httpx.AsyncClient, url: str, body: dict, endpoint: str, timeout: float
+) -> RequestResult:
     res = RequestResult()
     start = time.perf_counter()
     try:
@@ -164,8 +182,10 @@ def stats_ms(values_s: list[float]) -> dict:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     ms = [v * 1000 for v in values_s]
     cuts = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else [ms[0]] * 99
-    return {k: round(v, 3) for k, v in
-            {"mean": statistics.fmean(ms), "p50": cuts[49], "p90": cuts[89], "p99": cuts[98]}.items()}
+    return {
+        k: round(v, 3)
+        for k, v in {"mean": statistics.fmean(ms), "p50": cuts[49], "p90": cuts[89], "p99": cuts[98]}.items()
+    }
 
 
 def summarize(results: list[RequestResult], duration_s: float) -> dict:
@@ -175,28 +195,49 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
     tokens = sum(r.output_tokens or 0 for r in good)
     secs = max(duration_s, 1e-9)  # a run never takes 0 s; this only guards the division
     return {
-        "num_requests": len(results), "completed": len(good), "failed": len(results) - len(good),
-        "errors": errors[:MAX_ERRORS], "duration_s": round(duration_s, 3),
+        "num_requests": len(results),
+        "completed": len(good),
+        "failed": len(results) - len(good),
+        "errors": errors[:MAX_ERRORS],
+        "duration_s": round(duration_s, 3),
         "request_throughput": round(len(good) / secs, 3),
-        "output_throughput_tok_s": round(tokens / secs, 3), "total_output_tokens": tokens,
+        "output_throughput_tok_s": round(tokens / secs, 3),
+        "total_output_tokens": tokens,
         "ttft_ms": stats_ms([r.ttft for r in good if r.ttft is not None]),
         "itl_ms": stats_ms([gap for r in good for gap in r.itl]),
         "e2e_ms": stats_ms([r.e2e for r in good]),
     }
 
 
-async def run_rate(client: httpx.AsyncClient, args: argparse.Namespace, base: str, model: str,
-                   prompts: list[str], rate: float) -> dict:
+async def run_rate(
+    client: httpx.AsyncClient,
+    args: argparse.Namespace,
+    base: str,
+    model: str,
+    prompts: list[str],
+    rate: float,
+) -> dict:
     offsets = arrival_times(args.num_requests, rate, args.arrival, args.seed or 0)
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
-    bar = tqdm(total=args.num_requests, desc=f"rate {rate:g}/s", unit="req",
-               disable=args.no_progress or not sys.stderr.isatty())
+    bar = tqdm(
+        total=args.num_requests,
+        desc=f"rate {rate:g}/s",
+        unit="req",
+        disable=args.no_progress or not sys.stderr.isatty(),
+    )
     t0 = time.perf_counter()
 
     async def one(i: int) -> RequestResult:
         await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
-        path, body = build_request(args.endpoint, model, prompts[i % len(prompts)], args.max_tokens,
-                                   args.temperature, args.seed, args.ignore_eos)
+        path, body = build_request(
+            args.endpoint,
+            model,
+            prompts[i % len(prompts)],
+            args.max_tokens,
+            args.temperature,
+            args.seed,
+            args.ignore_eos,
+        )
         async with sem:
             res = await send_one(client, base + path, body, args.endpoint, args.timeout)
         bar.update(1)
@@ -230,12 +271,21 @@ async def run(args: argparse.Namespace) -> dict:
         model = args.model or await discover_model(client, base)
         runs = [await run_rate(client, args, base, model, prompts, rate) for rate in args.rates]
     return {
-        "base_url": base, "endpoint": args.endpoint, "model": model, "max_tokens": args.max_tokens,
-        "arrival": args.arrival, "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos,
+        "base_url": base,
+        "endpoint": args.endpoint,
+        "model": model,
+        "max_tokens": args.max_tokens,
+        "arrival": args.arrival,
+        "max_concurrency": args.max_concurrency,
+        "ignore_eos": args.ignore_eos,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                    "node": platform.node()},
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "node": platform.node(),
+        },
         "runs": runs,
     }
 
@@ -257,10 +307,14 @@ def plot(report: dict, path: str) -> None:
     for r, xi in zip(runs, x, strict=True):
         if r["e2e_ms"]["p99"] is not None:
             label = "inf" if r["rate"] == "inf" else f"{r['rate']:g}/s"
-            ax.annotate(label, (xi, r["e2e_ms"]["p99"]), textcoords="offset points", xytext=(4, 6),
-                        fontsize=8)
-    ax.set(xlabel="achieved request throughput (req/s); labels: offered rate", ylabel="latency (ms)",
-           title=f"{report['model']} /{report['endpoint']}, max_tokens={report['max_tokens']}")
+            ax.annotate(
+                label, (xi, r["e2e_ms"]["p99"]), textcoords="offset points", xytext=(4, 6), fontsize=8
+            )
+    ax.set(
+        xlabel="achieved request throughput (req/s); labels: offered rate",
+        ylabel="latency (ms)",
+        title=f"{report['model']} /{report['endpoint']}, max_tokens={report['max_tokens']}",
+    )
     ax.margins(x=0.08, y=0.12)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

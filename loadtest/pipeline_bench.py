@@ -181,7 +181,7 @@ async def run_in_process(args: argparse.Namespace, workload: dict) -> tuple[dict
 
 
 def service_cmd(name: str, bootstrap: str, prefix: str, args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "parkade.cli", name]
+    cmd = [sys.executable, "-P", "-m", "parkade.cli", name]
     cmd += ["--bootstrap-servers", bootstrap, "--topic-prefix", prefix]
     if name == "tokenizer":
         cmd += ["--model", args.model]

@@ -117,7 +117,7 @@ def check(args: argparse.Namespace) -> str | None:
         if args.tokenizer is not None:
             check_model_folder(args.tokenizer, config=False, weights=False)
         executor = ExecutorOptions(**flag_values(SERVICE_FLAGS["executor"], args))
-        scheduler = scheduler_main.build_handler(args)  # cheap: it waits for an executor to size it
+        scheduler = scheduler_main.build_service(args)  # cheap: it waits for an executor to size it
         # What the scheduler would refuse once the executor announces itself, refused now.
         max_model_len = executor.max_model_len or read_max_position_embeddings(args.model)
         check_options(scheduler.options, block_size=executor.block_size, max_model_len=max_model_len)
@@ -399,7 +399,9 @@ async def _external_broker_up(bootstrap: str, wait_s: float) -> bool:
 
 
 def _service_cmd(name: str, bootstrap: str, args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "parkade.cli", name, "--bootstrap-servers", bootstrap]
+    # NOTE: -P (no working directory on sys.path): run from a checkout's root, the repository's
+    # `kernels/` folder would shadow the PyPI package `kernels` that transformers imports.
+    cmd = [sys.executable, "-P", "-m", "parkade.cli", name, "--bootstrap-servers", bootstrap]
     return [*cmd, "--topic-prefix", args.topic_prefix, *service_argv(name, args)]
 
 

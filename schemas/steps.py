@@ -3,7 +3,10 @@
 The plan carries only what changed since the previous step: a request the executor has not seen
 (or one resumed after preemption) travels in full as `NewRequestData`; a running one as
 `CachedRequestData` with its new block ids. Block tables only grow, so the executor keeps them.
-A plan's size does not grow with context length.
+A running request's entry does not grow with its context: a decode costs one entry in
+`num_scheduled_tokens` (and one `CachedRequestData` each `block_size` tokens). An admission does:
+its `NewRequestData` carries every token it has (a request resumed after a preemption, a
+restart or a failed step, its outputs too), once per admission, as vLLM's.
 
     request tokens:  | computed (KV in pool) | scheduled this step | not yet scheduled |
                      0                num_computed_tokens   + num_scheduled_tokens
@@ -106,13 +109,10 @@ class ExecutorAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="execu
     """
 
     executor_id: str
-    model: str
     num_blocks: int
     block_size: int
     max_model_len: int
     vocab_size: int
-    eos_token_ids: tuple[int, ...] = ()
-    heartbeat: int = 0  # 0 at start, then counts up
     # Whose plans it follows, and under which epoch: an epoch ahead of the scheduler's means a
     # failed step whose answer the scheduler never matched (a plan it did not send).
     scheduler_id: str = ""

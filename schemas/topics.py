@@ -25,8 +25,10 @@ from parkade.schemas.steps import ExecutorAnnouncement, StepPlan, StepResult
 
 # Sent in every record's `parkade-schema` header. 2: the generated topic carries GeneratedBatch;
 # 3: step plans and results carry an epoch, and a result an error; 4: the instances topic, a
-# scheduler's announcement says whether it resumes, a tokenizer announces itself on requests.
-SCHEMA_VERSION = 4
+# scheduler's announcement says whether it resumes, a tokenizer announces itself on requests;
+# 5: an executor's announcement lost `model`, `eos_token_ids` and `heartbeat` (read by nobody:
+# a v4 reader refuses a v5 announcement, which lacks the required `model`).
+SCHEMA_VERSION = 5
 DEFAULT_PREFIX = "parkade."
 
 REQUESTS = "requests"  # client -> tokenizer, keyed by request_id

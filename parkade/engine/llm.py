@@ -144,6 +144,7 @@ class LLM:
     ) -> list[SamplingParams]:
         """One SamplingParams per prompt, each with output_kind FINAL_ONLY: `generate` and
         `chat` return finished requests only (vLLM does the same)."""
+
         def final_only(p: SamplingParams) -> SamplingParams:
             if p.output_kind is RequestOutputKind.FINAL_ONLY:
                 return p

@@ -1,14 +1,14 @@
 """Starting and stopping a service process: what the three services' `main.py` share.
 
     parser = service_parser("scheduler", __doc__)   # --bootstrap-servers, --topic-prefix, ...
-    return run_service("scheduler", args, build_handler, serve)
+    return run_service("scheduler", parser, args, build_service)
 
-`run_service` checks the settings and builds the handler (a bad setting or model folder: one line,
-exit 2), waits for the broker (unreachable: one line, exit 1), creates the missing topics (one
-with several partitions: one line, exit 2), claims the service on these topics (another
-instance serving them: one line, exit 3; see `instances.py`), runs `serve` until SIGINT or
-SIGTERM, and prints `READY <service>` once the service consumes its topics (the line `parkade up`
-waits for).
+`run_service` checks the settings and builds the service (a `Service`, see serve.py; a bad
+setting or model folder: one line, exit 2), waits for the broker (unreachable: one line, exit 1),
+creates the missing topics (one with several partitions: one line, exit 2), claims the service
+on these topics (another instance serving them: one line, exit 3; see `instances.py`), runs
+`serve` until SIGINT or SIGTERM, and prints `READY <service>` once the service consumes its
+topics (the line `parkade up` waits for).
 """
 
 from __future__ import annotations
@@ -22,23 +22,16 @@ import signal
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from parkade.schemas import topics
 from parkade.schemas.topics import DEFAULT_PREFIX
-from parkade.services.bus.base import Bus
+from parkade.services.bus.serve import Service, serve
 from parkade.services.common import logs, tracing
 
 log = logging.getLogger(__name__)
-H = TypeVar("H")
 BROKER_WAIT_S = 10.0
 EXIT_DUPLICATE = 3  # another instance serves these topics: `parkade up` does not restart it
-
-
-class Serve(Protocol[H]):
-    def __call__(
-        self, bus: Bus, handler: H, *, prefix: str, stop: asyncio.Event, ready: Callable[[], None]
-    ) -> Awaitable[None]: ...
 
 
 def service_parser(name: str, description: str | None) -> argparse.ArgumentParser:
@@ -78,13 +71,9 @@ def service_parser(name: str, description: str | None) -> argparse.ArgumentParse
 
 
 def run_service(
-    name: str,
-    parser: argparse.ArgumentParser,
-    args: argparse.Namespace,
-    build_handler: Callable[[], H],
-    serve: Serve[H],
+    name: str, parser: argparse.ArgumentParser, args: argparse.Namespace, build: Callable[[], Service]
 ) -> int:
-    """Build the handler, connect, serve until a signal; -> the process's exit code."""
+    """Build the service, connect, serve until a signal; -> the process's exit code."""
     if not args.bootstrap_servers:
         parser.error("no broker: pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS")
     _exit_on_sigterm()
@@ -93,13 +82,13 @@ def run_service(
     logs.configure(name)
     tracing.configure(name, os.environ)
     try:
-        handler = build_handler()
+        service = build()
     except ValueError as error:  # settings or a model folder that cannot work: say so, no traceback
         print(f"parkade {name}: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C while loading: a normal stop
         return 0
-    if args.metrics_port is not None and not serve_metrics(name, args, handler.enable_metrics().registry):
+    if args.metrics_port is not None and not serve_metrics(name, args, service.enable_metrics().registry):
         return 1
 
     async def serve_forever(stop: asyncio.Event) -> None:
@@ -107,7 +96,7 @@ def run_service(
             args.bootstrap_servers,
             args.topic_prefix,
             name,
-            lambda bus: serve(bus, handler, prefix=args.topic_prefix, stop=stop, ready=_announce_ready(name)),
+            lambda bus: serve(bus, service, prefix=args.topic_prefix, stop=stop, ready=_announce_ready(name)),
             wait_s=args.broker_wait,
             idempotence=args.idempotence,
         )
@@ -162,13 +151,13 @@ async def on_kafka(
     bootstrap_servers: str,
     prefix: str,
     service: str,
-    serve: Callable[[Any], Awaitable[None]],
+    run: Callable[[Any], Awaitable[None]],
     *,
     wait_s: float = BROKER_WAIT_S,
     idempotence: bool = False,
 ) -> None:
-    """Wait for the broker, create any missing topic, claim `service` on the topics, run
-    `serve(bus)` (heartbeating), close the bus."""
+    """Wait for the broker, create any missing topic, claim `service` on the topics, `run(bus)`
+    (heartbeating), close the bus."""
     from parkade.services.bus.instances import single_instance
     from parkade.services.bus.kafka import KafkaBus, wait_for_broker
 
@@ -179,7 +168,7 @@ async def on_kafka(
         # NOTE: not before: a service that cannot start says so in one line and nothing else.
         log.info("starting: broker %s, topics %s*", bootstrap_servers, prefix, extra={"topic": prefix})
         async with single_instance(bus, service, prefix, uuid.uuid4().hex):
-            await serve(bus)
+            await run(bus)
     finally:
         await bus.close()
 

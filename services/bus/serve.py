@@ -17,6 +17,7 @@ header.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -37,8 +38,6 @@ from parkade.services.bus.base import (
 from parkade.services.common.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[[Any, Record], Awaitable[list[Outgoing]] | list[Outgoing]]
 
 
 def dead_letter(record: Record, error: Exception) -> Outgoing:
@@ -65,8 +64,6 @@ def rejected_letter(out: Outgoing, error: Exception) -> Outgoing:
     )
     return Outgoing(topics.DEAD_LETTER, b"", out.key, headers)
 
-
-SendErrorHandler = Callable[[Outgoing, Exception], list[Outgoing]]
 
 COMMIT_INTERVAL_S = 0.1  # while records keep coming, a commit once this long has passed
 
@@ -96,35 +93,78 @@ async def queue_all(bus: Bus, outgoing: list[Outgoing], prefix: str) -> Awaitabl
     return await bus.queue_many(records)
 
 
+class Service:
+    """A service as `serve` runs it: the topics it consumes, and the methods `serve` calls around
+    them (declared handlers, as FastStream's subscribers). Each service's handler subclasses it
+    and overrides what applies; its `main.py` adds the I/O (`start`, `stop`, an async
+    `on_record`). The defaults do nothing, or dead-letter.
+
+    Commit policy and send order are `serve`'s, the same for every service (see the module)."""
+
+    group_id: str  # the consumer group, and the name of the progress group (`progress`)
+    topics: tuple[str, ...] = ()  # consumed, unprefixed
+    poll_ms = 50
+    # Send what each record produced before handling the next one, rather than once per poll:
+    # for a slow handler whose output someone waits for (the executor: a poll may bring plans N
+    # and N+1, and result N must not wait for step N+1's compute).
+    send_each = False
+    metrics: ServiceMetrics | None = None  # its consumer lag is watched when set
+
+    def enable_metrics(self) -> ServiceMetrics:
+        """Measure from now on (the service serves them with --metrics-port)."""
+        self.metrics = ServiceMetrics()
+        return self.metrics
+
+    async def start(self, bus: Bus, prefix: str) -> None:
+        """Before the first poll (an announcement, reading the log back)."""
+
+    async def stop(self) -> None:
+        """After the last poll, whether the loop ended cleanly or not."""
+
+    def on_record(self, message: Any, record: Record) -> list[Outgoing] | Awaitable[list[Outgoing]]:
+        """A decoded record of one of `topics`; -> what it produces."""
+        raise NotImplementedError
+
+    def on_bad_record(self, record: Record, error: Exception) -> list[Outgoing]:
+        """A record that could not be decoded, or that made `on_record` raise."""
+        return [dead_letter(record, error)]
+
+    def after_batch(self) -> list[Outgoing]:
+        """After each poll, records or not (sent before what the records produced)."""
+        return []
+
+    def on_send_error(self, out: Outgoing, error: Exception) -> list[Outgoing]:
+        """The broker refused `out` for what it is (too large): the records that answer for it."""
+        return [rejected_letter(out, error)]
+
+    def on_sent(self, out: Outgoing, offset: int) -> None:
+        """`out` was acknowledged at `offset`."""
+
+    def low_watermarks(self) -> dict[str, int]:
+        """By topic (unprefixed): the oldest offset a restart must read again; the commit never
+        passes it (the oldest unfinished request's record)."""
+        return {}
+
+    def progress(self) -> dict[str, int]:
+        """By topic (unprefixed): offsets the service keeps for itself, saved after each commit
+        (`Bus.save_progress` under the group `<group_id>.progress`)."""
+        return {}
+
+
 async def serve(
     bus: Bus,
+    service: Service,
     *,
     prefix: str,
-    group_id: str,
-    handlers: dict[str, Handler],
-    on_bad_record: Callable[[Record, Exception], list[Outgoing]] | None = None,
-    after_batch: Callable[[], list[Outgoing]] | None = None,
     stop: asyncio.Event,
     ready: Callable[[], None] | None = None,
-    poll_ms: int = 50,
-    send_each: bool = False,
     commit_interval_s: float = COMMIT_INTERVAL_S,
-    on_send_error: SendErrorHandler | None = None,
-    on_sent: Callable[[Outgoing, int], None] | None = None,
-    low_watermarks: Callable[[], dict[str, int]] | None = None,
-    progress: Callable[[], dict[str, int]] | None = None,
-    metrics: ServiceMetrics | None = None,
 ) -> None:
-    """Consume the handlers' topics (unprefixed names) until `stop` is set.
+    """Run `service` on its topics (prefixed with `prefix`) until `stop` is set.
 
-    Each record is decoded with its topic's typed decoder and passed to its topic's handler.
-    `on_bad_record` decides what an undecodable record produces (default: a dead letter).
-    `after_batch` runs after each poll, records or not (the scheduler plans steps there).
-    `send_each` sends what each record produced before handling the next one, rather than once per
-    batch: for a slow handler whose output someone waits for (the executor: a poll may bring plans
-    N and N+1, and result N must not wait for step N+1's compute). Outputs are queued without
-    waiting for the broker: only the next queueing waits for the previous acknowledgements, by
-    then long done (a round trip per step would idle the executor).
+    Each record is decoded with its topic's typed decoder and passed to `service.on_record`.
+    Outputs are queued without waiting for the broker: only the next queueing waits for the
+    previous acknowledgements, by then long done (a round trip per step would idle the executor).
 
     No batch ends with a wait for a commit: a commit (of every record handled so far, once
     everything they produced was acknowledged) happens when `commit_interval_s` has passed since
@@ -132,85 +172,100 @@ async def serve(
     acknowledgement and commit round trips after every batch had the executor idle for about 14%
     of a pipeline run; a crash now redelivers up to `commit_interval_s` of records, which the
     idempotent handlers absorb.
-
-    For a service that rebuilds its state from the log after a restart: `low_watermarks()` (by
-    topic, unprefixed) holds a topic's commit back to the oldest record still needed (the oldest
-    unfinished request's), so that a restart reads it again; `progress()` (by topic) are offsets
-    the service keeps for itself (`Bus.save_progress` under the group `<group_id>.progress`),
-    saved after each commit; `on_sent(out, offset)` hears each record's offset once acknowledged.
     """
-    decoders = {topics.topic_name(t, prefix): (topics.TopicDecoder(t), h) for t, h in handlers.items()}
-    consumer = await bus.consumer(list(decoders), group_id)
-    if ready is not None:
-        ready()
-    loop = asyncio.get_running_loop()
-    sends = _Sends(bus, prefix, on_send_error, on_sent)
-    handled: dict[str, int] = {}  # topic -> the offset after the last record handled
-    uncommitted, last_commit = False, loop.time()
-    if metrics is not None:
-        metrics.watch_consumer(consumer.highwaters, handled)
+    await service.start(bus, prefix)
+    try:
+        decoders = {topics.topic_name(t, prefix): topics.TopicDecoder(t) for t in service.topics}
+        consumer = await bus.consumer(list(decoders), service.group_id)
+        try:
+            if ready is not None:
+                ready()
+            await _Loop(bus, service, consumer, decoders, prefix, commit_interval_s).run(stop)
+        finally:
+            # On an error, nothing more is committed: what was not is read again after a restart.
+            await consumer.stop()
+    finally:
+        await service.stop()
 
-    saved: dict[str, int] = {}  # the progress saved last, by topic
 
-    async def commit() -> None:
-        offsets = dict(handled)
-        for topic, low in (low_watermarks() if low_watermarks else {}).items():
-            name = topics.topic_name(topic, prefix)
+class _Loop:
+    """`serve`'s consume -> handle -> produce -> commit loop, over one consumer."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        service: Service,
+        consumer: Consumer,
+        decoders: dict[str, topics.TopicDecoder],
+        prefix: str,
+        commit_interval_s: float,
+    ) -> None:
+        self.bus, self.service, self.consumer = bus, service, consumer
+        self.decoders, self.prefix, self.commit_interval_s = decoders, prefix, commit_interval_s
+        self.sends = _Sends(bus, prefix, service)
+        self.handled: dict[str, int] = {}  # topic -> the offset after the last record handled
+        self.saved: dict[str, int] = {}  # the progress saved last, by topic
+        if service.metrics is not None:
+            service.metrics.watch_consumer(consumer.highwaters, self.handled)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        uncommitted, last_commit = False, loop.time()
+        while not stop.is_set():
+            records = await self.consumer.getmany(timeout_ms=self.service.poll_ms)
+            outgoing = await self._handle(records)
+            # First: the scheduler's next step plans must not queue behind token records.
+            outgoing = self.service.after_batch() + outgoing
+            if outgoing:
+                await self.sends.queue_after(outgoing)
+            uncommitted = uncommitted or bool(records)
+            if not records or loop.time() - last_commit >= self.commit_interval_s:
+                await self.sends.drain()  # what the handled records produced is in the log
+                if uncommitted:
+                    await self._commit()
+                    uncommitted, last_commit = False, loop.time()
+        await self.sends.drain()
+        if uncommitted:
+            await self._commit()
+
+    async def _handle(self, records: list[Record]) -> list[Outgoing]:
+        """Each record through the service; -> what they produced and is not sent yet."""
+        service, outgoing = self.service, []
+        for record in records:
+            self.handled[record.topic] = record.offset + 1
+            try:
+                message = self.decoders[record.topic].decode(record.value, record.header(topics.CONTENT_TYPE))
+            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                outgoing += service.on_bad_record(record, error)
+                continue
+            try:
+                result = service.on_record(message, record)
+                outgoing += await result if inspect.isawaitable(result) else result
+            except Exception as error:
+                # NOTE: a record that breaks its handler is set aside, not retried: retrying
+                # would fail the same way on every restart and stall everything behind it.
+                log.exception("handler failed on %s:%d:%d", record.topic, record.partition, record.offset)
+                outgoing += service.on_bad_record(record, error)
+            if service.send_each and outgoing:
+                await self.sends.queue_after(outgoing)
+                outgoing = []
+        return outgoing
+
+    async def _commit(self) -> None:
+        offsets = dict(self.handled)
+        for topic, low in self.service.low_watermarks().items():
+            name = topics.topic_name(topic, self.prefix)
             if name in offsets:
                 offsets[name] = min(offsets[name], low)
-        if not await _commit(consumer, offsets):
+        if not await _commit(self.consumer, offsets):
             return  # the progress must not run ahead of what a restart reads again
-        for topic, offset in (progress() if progress else {}).items():
+        for topic, offset in self.service.progress().items():
             # NOTE: after the commit: a restart that finds the commit newer than the progress
             # reads more of the log than it needs, never less.
-            if saved.get(topic) != offset:
-                await bus.save_progress(f"{group_id}.progress", topics.topic_name(topic, prefix), offset)
-                saved[topic] = offset
-
-    try:
-        while not stop.is_set():
-            records = await consumer.getmany(timeout_ms=poll_ms)
-            outgoing: list[Outgoing] = []
-            for record in records:
-                handled[record.topic] = record.offset + 1
-                decoder, handler = decoders[record.topic]
-                try:
-                    message = decoder.decode(record.value, record.header(topics.CONTENT_TYPE))
-                except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                    outgoing += (
-                        on_bad_record(record, error) if on_bad_record else [dead_letter(record, error)]
-                    )
-                    continue
-                try:
-                    result = handler(message, record)
-                    outgoing += await result if asyncio.iscoroutine(result) else result
-                except Exception as error:
-                    # NOTE: a record that breaks its handler is set aside, not retried: retrying
-                    # would fail the same way on every restart and stall everything behind it.
-                    log.exception("handler failed on %s:%d:%d", record.topic, record.partition, record.offset)
-                    outgoing += (
-                        on_bad_record(record, error) if on_bad_record else [dead_letter(record, error)]
-                    )
-                if send_each and outgoing:
-                    await sends.queue_after(outgoing)
-                    outgoing = []
-            if after_batch is not None:
-                # First: the scheduler's next step plans must not queue behind token records.
-                outgoing = after_batch() + outgoing
-            if outgoing:
-                await sends.queue_after(outgoing)
-            uncommitted = uncommitted or bool(records)
-            if not records or loop.time() - last_commit >= commit_interval_s:
-                await sends.drain()  # what the handled records produced is in the log
-                if uncommitted:
-                    await commit()
-                    uncommitted, last_commit = False, loop.time()
-        await sends.drain()
-        if uncommitted:
-            await commit()
-    finally:
-        # On an error, nothing more is committed: what was not is read again after a restart.
-        await consumer.stop()
+            if self.saved.get(topic) != offset:
+                name = topics.topic_name(topic, self.prefix)
+                await self.bus.save_progress(f"{self.service.group_id}.progress", name, offset)
+                self.saved[topic] = offset
 
 
 async def read_log(
@@ -243,16 +298,8 @@ async def read_log(
 class _Sends:
     """The records queued and not yet known acknowledged, and the answers for refused ones."""
 
-    def __init__(
-        self,
-        bus: Bus,
-        prefix: str,
-        on_send_error: SendErrorHandler | None,
-        on_sent: Callable[[Outgoing, int], None] | None,
-    ) -> None:
-        self.bus, self.prefix = bus, prefix
-        self.on_send_error = on_send_error or (lambda out, error: [rejected_letter(out, error)])
-        self.on_sent = on_sent
+    def __init__(self, bus: Bus, prefix: str, service: Service) -> None:
+        self.bus, self.prefix, self.service = bus, prefix, service
         # (records, their acknowledgements, whether they answer for refused ones)
         self.pending: list[tuple[list[Outgoing], Awaitable[list[Outcome]], bool]] = []
 
@@ -283,12 +330,11 @@ class _Sends:
         for outgoing, acks, are_answers in pending:
             for out, outcome in zip(outgoing, await acks, strict=True):
                 if not isinstance(outcome, RecordRejected):
-                    if self.on_sent is not None:
-                        self.on_sent(out, outcome)
+                    self.service.on_sent(out, outcome)
                     continue
                 log.error("the broker refused a record for %s (key %s): %s", out.topic, out.key, outcome)
                 if not are_answers:  # an answer that is refused too is only logged
-                    answers += self.on_send_error(out, outcome)
+                    answers += self.service.on_send_error(out, outcome)
         return answers
 
 

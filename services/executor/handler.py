@@ -18,31 +18,35 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from parkade.schemas import ExecutorAnnouncement, StepPlan, StepResult, topics
-from parkade.services.bus.base import Outgoing
+from parkade.services.bus.base import Outgoing, Record
+from parkade.services.bus.serve import Service
 from parkade.services.common import tracing
-from parkade.services.executor.executor import Executor
 from parkade.services.executor.metrics import ExecutorMetrics
+
+if TYPE_CHECKING:  # NOTE: so that `parkade up` reads the executor's flags without torch
+    from parkade.services.executor.executor import Executor
 
 log = logging.getLogger(__name__)
 
 
-class ExecutorHandler:
-    def __init__(
-        self, executor: Executor, *, model: str, max_model_len: int, eos_token_ids: tuple[int, ...]
-    ) -> None:
+class ExecutorHandler(Service):
+    group_id = "parkade-executor"
+    topics = (topics.STEP_PLANS,)
+    poll_ms = 10
+    send_each = True  # result N goes out before step N+1 runs
+
+    def __init__(self, executor: Executor, *, max_model_len: int) -> None:
         self.executor = executor
         self.executor_id = uuid.uuid4().hex
-        self.model = model
         self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
         self.scheduler_id: str | None = None
         self.last_step_id = 0
         self.epoch = 0
-        self.num_heartbeats = 0
         self.num_failed_steps = 0
         self.links: dict[str, list] = {}  # per request, while tracing is on: the link to its span
         self.metrics: ExecutorMetrics | None = None  # see enable_metrics
@@ -56,18 +60,17 @@ class ExecutorHandler:
         config = self.executor.model_config
         message = ExecutorAnnouncement(
             executor_id=self.executor_id,
-            model=self.model,
             num_blocks=self.executor.num_blocks,
             block_size=self.executor.block_size,
             max_model_len=self.max_model_len,
             vocab_size=config.vocab_size,
-            eos_token_ids=self.eos_token_ids,
-            heartbeat=self.num_heartbeats,
             scheduler_id=self.scheduler_id or "",
             epoch=self.epoch,
         )
-        self.num_heartbeats += 1
         return Outgoing(topics.STEP_RESULTS, message)
+
+    def on_record(self, message: StepPlan, record: Record) -> list[Outgoing]:
+        return self.on_plan(message)
 
     def on_plan(self, plan: StepPlan) -> list[Outgoing]:
         """Run one plan (blocking: call it off the event loop)."""

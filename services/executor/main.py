@@ -1,6 +1,6 @@
 """The executor service: `parkade executor [--model DIR]`. Its only I/O edge.
 
-NOTE: torch (the model, the handler) is imported when the handler is built, not with this module:
+NOTE: torch (the model) is imported when the service is built, not with this module:
 `parkade up` reads FLAGS here to pass the executor its settings, and starts without torch.
 """
 
@@ -11,21 +11,21 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from parkade.schemas import topics
-from parkade.services.bus.base import Bus
+from parkade.schemas import StepPlan
+from parkade.services.bus.base import Bus, Outgoing, Record
 from parkade.services.bus.runtime import run_service, service_parser
-from parkade.services.bus.serve import send_all, serve
+from parkade.services.bus.serve import send_all
 from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
+from parkade.services.executor.handler import ExecutorHandler
 from parkade.services.executor.options import ExecutorOptions
 
 if TYPE_CHECKING:
-    from parkade.services.executor.handler import ExecutorHandler
+    from parkade.services.executor.executor import Executor
 
 log = logging.getLogger(__name__)
 
-GROUP_ID = "parkade-executor"
 HEARTBEAT_S = 5.0
 # A step running this long is hung (a wedged device, a deadlock): the process exits, so that its
 # supervisor starts a fresh executor, which the scheduler adopts and recomputes every request on.
@@ -35,75 +35,66 @@ EXIT_HUNG = 70
 FLAGS = dataclass_flags(ExecutorOptions)
 
 
-async def run(
-    bus: Bus,
-    handler: ExecutorHandler,
-    *,
-    prefix: str,
-    stop: asyncio.Event,
-    ready: Callable[[], None] | None = None,
-    heartbeat_s: float = HEARTBEAT_S,
-    step_deadline_s: float = STEP_DEADLINE_S,
-    on_hung: Callable[[], None] = lambda: os._exit(EXIT_HUNG),
-) -> None:
-    loop = asyncio.get_running_loop()
-    step_started: list[float | None] = [None]
+class ExecutorService(ExecutorHandler):
+    """The handler with its I/O: the forward pass off the event loop (so that heartbeats keep
+    going), an announcement every `heartbeat_s`, and the hung-step watchdog."""
 
-    async def on_plan(message, record):
-        # The forward pass runs off the event loop, so heartbeats keep going.
-        step_started[0] = loop.time()
+    def __init__(
+        self,
+        executor: Executor,
+        *,
+        max_model_len: int,
+        heartbeat_s: float = HEARTBEAT_S,
+        step_deadline_s: float = STEP_DEADLINE_S,
+        on_hung: Callable[[], None] = lambda: os._exit(EXIT_HUNG),
+    ) -> None:
+        super().__init__(executor, max_model_len=max_model_len)
+        self.heartbeat_s, self.step_deadline_s, self.on_hung = heartbeat_s, step_deadline_s, on_hung
+        self.step_started: float | None = None  # loop time, while a step runs
+        self._beating: asyncio.Task | None = None
+
+    async def start(self, bus: Bus, prefix: str) -> None:
+        self._beating = asyncio.create_task(self._heartbeat(bus, prefix))
+
+    async def stop(self) -> None:
+        if self._beating is not None:
+            self._beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beating
+
+    async def on_record(self, message: StepPlan, record: Record) -> list[Outgoing]:
+        self.step_started = asyncio.get_running_loop().time()
         try:
-            return await asyncio.to_thread(handler.on_plan, message)
+            return await asyncio.to_thread(self.on_plan, message)
         finally:
-            step_started[0] = None
+            self.step_started = None
 
-    async def heartbeat() -> None:
+    async def _heartbeat(self, bus: Bus, prefix: str) -> None:
         # NOTE: a failed send must not end the heartbeat: the scheduler would declare this
         # executor dead while it serves on.
+        loop = asyncio.get_running_loop()
         while True:
-            started = step_started[0]
-            if started is not None and loop.time() - started > step_deadline_s:
+            started = self.step_started
+            if started is not None and loop.time() - started > self.step_deadline_s:
                 hung_s = loop.time() - started
                 log.critical("a step has run for %.0f s: hung; exiting, for a fresh executor", hung_s)
-                on_hung()
+                self.on_hung()
                 return
             try:
-                await send_all(bus, [handler.announcement()], prefix)
+                await send_all(bus, [self.announcement()], prefix)
             except Exception:
-                log.warning("a heartbeat could not be sent; trying again in %g s", heartbeat_s, exc_info=True)
-            await asyncio.sleep(heartbeat_s)
-
-    beating = asyncio.create_task(heartbeat())
-    try:
-        await serve(
-            bus,
-            prefix=prefix,
-            group_id=GROUP_ID,
-            handlers={topics.STEP_PLANS: on_plan},
-            stop=stop,
-            ready=ready,
-            poll_ms=10,
-            send_each=True,  # result N goes out before step N+1 runs
-            on_send_error=handler.on_send_error,
-        metrics=handler.metrics,
-        )
-    finally:
-        beating.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await beating
+                log.warning(
+                    "a heartbeat could not be sent; trying again in %g s", self.heartbeat_s, exc_info=True
+                )
+            await asyncio.sleep(self.heartbeat_s)
 
 
-def build_handler(options: ExecutorOptions) -> ExecutorHandler:
+def build_service(options: ExecutorOptions, **kwargs: Any) -> ExecutorService:
+    """Load the model and allocate the KV pool (torch is imported here)."""
     from parkade.services.executor.build import build_executor
-    from parkade.services.executor.handler import ExecutorHandler
 
-    model_config, executor, max_model_len = build_executor(options)
-    return ExecutorHandler(
-        executor,
-        model=str(options.model),
-        max_model_len=max_model_len,
-        eos_token_ids=model_config.eos_token_ids,
-    )
+    _, executor, max_model_len = build_executor(options)
+    return ExecutorService(executor, max_model_len=max_model_len, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,5 +102,5 @@ def main(argv: list[str] | None = None) -> int:
     add_flags(parser, FLAGS)
     args = parser.parse_args(argv)
     return run_service(
-        "executor", parser, args, lambda: build_handler(ExecutorOptions(**flag_values(FLAGS, args))), run
+        "executor", parser, args, lambda: build_service(ExecutorOptions(**flag_values(FLAGS, args)))
     )

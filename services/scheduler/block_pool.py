@@ -134,6 +134,15 @@ class BlockPool:
             del self._cached[block.block_hash]
             block.block_hash, block.parent_hash, block.token_ids = None, None, ()
 
+    def reset(self) -> None:
+        """Back to the state of a new pool: every block free and empty, in id order. Only while
+        no block is used."""
+        assert all(block.ref_cnt == 0 for block in self.blocks), "reset of a pool in use"
+        for block in self.blocks:
+            block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+        self._cached.clear()
+        self._free = OrderedDict((i, None) for i in range(self.num_blocks))
+
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         del self._cached[block.block_hash]

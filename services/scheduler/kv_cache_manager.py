@@ -183,6 +183,14 @@ class KVCacheManager:
                 self.pool.uncache(block_id)
         self.pool.free(reversed(table))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False, changing nothing, while a request holds
+        blocks (their registrations would go with K/V still in use). The counters stay."""
+        if self.block_tables:
+            return False
+        self.pool.reset()
+        return True
+
     def check_integrity(self) -> None:
         """free + used = total, and every block's ref_cnt equals its block-table references."""
         references: Counter[int] = Counter()

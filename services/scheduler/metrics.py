@@ -11,28 +11,42 @@ request's `arrival_time` at the front end).
     parkade:e2e_request_latency_seconds, parkade:request_queue_time_seconds,
     parkade:step_round_trip_seconds                                histograms (a plan sent to its result)
 
-The gauges and counters are read from the scheduler when scraped: nothing per step.
+The gauges are read from the scheduler when scraped; the counters and histograms follow the plans
+and events the service sends. Per-request timestamps live on the request's `LiveRequest`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from parkade.schemas import EngineRequest, GeneratedTokens, StepPlan
 from parkade.services.common.metrics import LATENCY_BUCKETS, SHORT_BUCKETS, ServiceMetrics
+from parkade.services.scheduler.live import LiveRequest
 
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+@dataclass(frozen=True)
+class Gauges:
+    """The scheduler's state at scrape time."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # used blocks / all blocks (0 to 1)
+
+
 class SchedulerMetrics(ServiceMetrics):
-    def __init__(self, handler: Any) -> None:
+    """`gauges()` is read at scrape time; the counters count what the plans and events say, so
+    they never go back when the scheduler or its pool is replaced (a new executor's)."""
+
+    def __init__(self, gauges: Callable[[], Gauges]) -> None:
         super().__init__()
-        self.register(_SchedulerState(handler))
+        self.register(_SchedulerState(self, gauges))
         self.ttft = self.histogram(
             "parkade:time_to_first_token_seconds", "arrival to first token", LATENCY_BUCKETS
         )
@@ -49,96 +63,70 @@ class SchedulerMetrics(ServiceMetrics):
         )
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        # Counts of KV managers and schedulers replaced since (a reset, a new executor's pool):
-        # the exported counters never go back.
-        self.carried = {"num_prefix_queries": 0, "num_prefix_hits": 0, "num_preemptions": 0}
-        self._arrival: dict[str, float] = {}  # request_id -> arrival_time, until admitted
-        self._started: dict[str, float] = {}  # request_id -> arrival_time, until finished
-        self._last_token: dict[str, float] = {}  # request_id -> when its last token came
-        self._sent: dict[int, float] = {}  # step_id -> when its plan went out
+        self.num_prefix_queries = 0  # prompt tokens looked up at admissions
+        self.num_prefix_hits = 0  # of them, found in the prefix cache
+        self.num_preemptions = 0
 
-    def carry_over(self, scheduler: Any, *, whole: bool) -> None:
-        """Before `scheduler`'s KV manager (`whole`: the scheduler itself) is replaced."""
-        self.carried["num_prefix_queries"] += scheduler.kv.num_prefix_queries
-        self.carried["num_prefix_hits"] += scheduler.kv.num_prefix_hits
-        if whole:
-            self.carried["num_preemptions"] += scheduler.num_preemptions
-
-    def arrived(self, request: EngineRequest) -> None:
+    def arrived(self, record: LiveRequest, request: EngineRequest) -> None:
+        """The core took the request."""
         self.num_prompt_tokens += len(request.prompt_token_ids)
-        arrival = request.arrival_time or time.time()
-        self._arrival[request.request_id] = arrival
-        self._started[request.request_id] = arrival
+        record.arrival_time = record.started = request.arrival_time or time.time()
 
-    def planned(self, plan: StepPlan) -> None:
+    def planned(self, plan: StepPlan, live: dict[str, LiveRequest]) -> None:
+        """NOTE: every admission sends its request in full, with its prefix-cache hit, and every
+        preemption of a request the executor holds is named: what the core counts, counted here
+        from the messages."""
         now = time.time()
-        self._sent[plan.step_id] = time.monotonic()
         self.iteration_tokens.observe(plan.total_num_scheduled_tokens)
+        self.num_preemptions += len(plan.preempted_request_ids)
         for new in plan.new_requests:
-            arrival = self._arrival.pop(new.request_id, None)
-            if arrival is not None:
-                self.queue_time.observe(max(now - arrival, 0.0))
+            self.num_prefix_queries += len(new.token_ids)
+            self.num_prefix_hits += new.num_computed_tokens
+            record = live.get(new.request_id)
+            if record is not None and record.arrival_time is not None:
+                self.queue_time.observe(max(now - record.arrival_time, 0.0))
+                record.arrival_time = None
 
-    def step_done(self, step_id: int) -> None:
-        sent = self._sent.pop(step_id, None)
-        if sent is not None:
-            self.step_round_trip.observe(time.monotonic() - sent)
-        if len(self._sent) > 1024:  # plans voided by a failed step or a lost executor
-            self._sent.clear()
-
-    def generated(self, event: GeneratedTokens) -> None:
-        request_id = event.request_id
+    def generated(self, record: LiveRequest, event: GeneratedTokens) -> None:
         if event.token_ids:
             now = time.time()
             self.num_generation_tokens += len(event.token_ids)
-            last = self._last_token.get(request_id)
+            last = record.last_token_time
             if last is None:
-                started = self._started.get(request_id)
-                if started is not None:
-                    self.ttft.observe(max(now - started, 0.0))
+                if record.started is not None:
+                    self.ttft.observe(max(now - record.started, 0.0))
             else:
                 gap = (now - last) / len(event.token_ids)
                 for _ in event.token_ids:
                     self.itl.observe(gap)
-            self._last_token[request_id] = now
-        if event.finish_reason is not None:
-            started = self._started.pop(request_id, None)
-            if started is not None and event.error is None:
-                self.e2e.observe(max(time.time() - started, 0.0))
-            self._arrival.pop(request_id, None)
-            self._last_token.pop(request_id, None)
+            record.last_token_time = now
+        if event.finish_reason is not None and record.started is not None and event.error is None:
+            self.e2e.observe(max(time.time() - record.started, 0.0))
 
 
 class _SchedulerState(Collector):
-    """Gauges and counters read from the handler's scheduler at scrape time."""
+    """The gauges, and the counters, at scrape time."""
 
-    def __init__(self, handler: Any) -> None:
-        self.handler = handler
+    def __init__(self, metrics: SchedulerMetrics, gauges: Callable[[], Gauges]) -> None:
+        self.metrics = metrics
+        self.gauges = gauges
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        handler, scheduler = self.handler, self.handler.scheduler
-        metrics = handler.metrics
-        running = len(scheduler.running) if scheduler else 0
-        waiting = (len(scheduler.waiting) if scheduler else 0) + len(handler.pending)
-        yield GaugeMetricFamily("parkade:num_requests_running", "requests running", value=running)
-        yield GaugeMetricFamily("parkade:num_requests_waiting", "requests waiting", value=waiting)
-        usage = 0.0
-        if scheduler is not None and scheduler.kv.num_blocks:
-            usage = 1 - scheduler.kv.num_free_blocks / scheduler.kv.num_blocks
-        yield GaugeMetricFamily("parkade:kv_cache_usage_perc", "KV blocks in use (0 to 1)", value=usage)
+        gauges, metrics = self.gauges(), self.metrics
+        yield GaugeMetricFamily("parkade:num_requests_running", "requests running", value=gauges.num_running)
+        yield GaugeMetricFamily("parkade:num_requests_waiting", "requests waiting", value=gauges.num_waiting)
+        yield GaugeMetricFamily(
+            "parkade:kv_cache_usage_perc", "KV blocks in use (0 to 1)", value=gauges.kv_cache_usage
+        )
         counters = {
             "parkade:prefix_cache_queries": (
                 "prompt tokens looked up in the prefix cache",
-                "num_prefix_queries",
+                metrics.num_prefix_queries,
             ),
-            "parkade:prefix_cache_hits": ("prompt tokens found in the prefix cache", "num_prefix_hits"),
+            "parkade:prefix_cache_hits": ("prompt tokens found in the prefix cache", metrics.num_prefix_hits),
+            "parkade:num_preemptions": ("preemptions", metrics.num_preemptions),
+            "parkade:prompt_tokens": ("prompt tokens", metrics.num_prompt_tokens),
+            "parkade:generation_tokens": ("generated tokens", metrics.num_generation_tokens),
         }
-        for name, (documentation, attribute) in counters.items():
-            value = metrics.carried[attribute] + (getattr(scheduler.kv, attribute) if scheduler else 0)
+        for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(name, documentation, value=value)
-        preemptions = metrics.carried["num_preemptions"] + (scheduler.num_preemptions if scheduler else 0)
-        yield CounterMetricFamily("parkade:num_preemptions", "preemptions", value=preemptions)
-        yield CounterMetricFamily("parkade:prompt_tokens", "prompt tokens", value=metrics.num_prompt_tokens)
-        yield CounterMetricFamily(
-            "parkade:generation_tokens", "generated tokens", value=metrics.num_generation_tokens
-        )

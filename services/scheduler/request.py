@@ -58,7 +58,7 @@ class Request:
         "kv_noop_until", "block_ids", "num_hashed_blocks", "request_id", "admitted_step", "num_prompt_tokens",
         "sampling_params", "eos_token_ids", "num_cached_tokens", "stop_token_ids",
         "arrival_time", "block_hashes", "block_size", "finish_reason", "num_preemptions", "priority",
-        "prompt_token_ids", "run_alone", "stop_reason", "block_hash_root", "prompt_logprobs",
+        "prompt_token_ids", "stop_reason", "block_hash_root", "prompt_logprobs",
     )  # fmt: skip
 
     def __init__(self, engine_request: EngineRequest, block_size: int) -> None:
@@ -86,8 +86,6 @@ class Request:
         self.admitted_step = 0  # results of steps before this one belong to an earlier admission
         self.num_cached_tokens = -1  # prefix-cache hit of the first admission; -1 before it
         self.num_preemptions = 0
-        # Set after a step with this request failed: its next admission gets a step of its own.
-        self.run_alone = False
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None

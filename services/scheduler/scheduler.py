@@ -16,7 +16,7 @@ and returns to the waiting queue; its prefix-cached blocks make its re-prefill c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -53,6 +53,12 @@ class SchedulerStats:
     prefix_cache_hit_rate: float
 
     @property
+    def kv_cache_usage(self) -> float:
+        """Used blocks / all blocks, 0 to 1 (vLLM's `kv_cache_usage_perc`)."""
+        total = self.num_used_blocks + self.num_free_blocks
+        return self.num_used_blocks / total if total else 0.0
+
+    @property
     def kv_utilization(self) -> float:
         return self.num_live_tokens / self.num_allocated_slots if self.num_allocated_slots else 0.0
 
@@ -83,9 +89,14 @@ class Scheduler:
         self.validate(engine_request)
         num_waiting = len(self.waiting)
         # A request resumed with its outputs (a restarted scheduler's) was admitted before.
-        if num_waiting and not output_token_ids and (
-            num_waiting >= self.config.max_waiting_requests
-            or self.waiting.num_tokens + len(engine_request.prompt_token_ids) > self.config.max_waiting_tokens
+        if (
+            num_waiting
+            and not output_token_ids
+            and (
+                num_waiting >= self.config.max_waiting_requests
+                or self.waiting.num_tokens + len(engine_request.prompt_token_ids)
+                > self.config.max_waiting_tokens
+            )
         ):
             raise OverloadedError(
                 f"overloaded: {num_waiting} requests ({self.waiting.num_tokens} tokens) waiting; "
@@ -170,8 +181,12 @@ class Scheduler:
         return bool(self.requests)
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
-        """Hand out this step's tokens. The plan's requests are already counted as computed."""
+    def schedule(self, isolate: Collection[str] = ()) -> StepPlan:
+        """Hand out this step's tokens. The plan's requests are already counted as computed.
+
+        `isolate`: requests to run in a step of their own. The first of them in the waiting
+        queue's order is admitted alone, ahead of the queue, when it fits; otherwise (none waits,
+        or no room) the step is the usual one. Who is isolated, and until when, is the caller's."""
         self.step_id += 1
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
@@ -179,11 +194,11 @@ class Scheduler:
         preempted: list[Request] = []
         new_requests: list[NewRequestData] = []
 
-        # 0. A request suspected of making a step fail (`run_alone`, see `reset_executor`) at the
-        # head of the queue gets a step of its own: if that fails too, it alone is to blame.
-        if self.waiting and self.waiting.peek().run_alone:
-            budget = self._admit(budget, scheduled, preempted, new_requests)
-        if not scheduled:  # the usual step (or the suspect found no room: the others go on)
+        # 0. A request to isolate (the service suspects it of failing steps) gets a step of its own
+        # when it fits; then if that step fails too, it alone is to blame.
+        if isolate and self.waiting:
+            budget = self._admit_isolated(isolate, budget, scheduled, new_requests)
+        if not scheduled:  # the usual step (or the request to isolate found no room: the others go on)
             budget = self._schedule_running(budget, scheduled, grown, preempted)
             budget = self._admit(budget, scheduled, preempted, new_requests)
 
@@ -265,57 +280,84 @@ class Scheduler:
         preempted: list[Request],
         new_requests: list[NewRequestData],
     ) -> int:
-        """2. Admissions, unless this step had to preempt (the pool is full); -> the budget left.
-        A `run_alone` request joins only an empty step, and nothing joins after it."""
+        """2. Admissions from the head of the queue, unless this step had to preempt (the pool is
+        full); -> the budget left. FCFS: nobody overtakes the head of the queue."""
         while (
             not preempted
             and budget > 0
             and len(self.waiting) > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting.peek()
-            if request.run_alone and scheduled:
-                break  # it gets a step of its own
-            hit_blocks, num_hit = self.kv.match_prefix(request)
-            num_new = request.num_tokens - num_hit
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            num_new = self._admit_one(self.waiting.peek(), budget, scheduled, new_requests)
+            if num_new is None:
                 break
-            num_new = min(num_new, budget)
-            reserved = 0
-            if self.config.admission is AdmissionMode.RESERVE:
-                reserved = max(0, request.max_num_tokens - num_hit - num_new)
-            if self.kv.allocate_slots(request, num_new, hit_blocks, reserved) is None:
-                break  # FCFS: nobody overtakes the head of the queue
             self.waiting.pop()
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.admitted_step = self.step_id
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-            self.kv.record_admission(request, num_hit)
-            params = request.sampling_params
-            if params.prompt_logprobs is not None and request.prompt_logprobs is None:
-                # Sent with its first token already: a recompute needs no prompt logprobs.
-                params = msgspec.structs.replace(params, prompt_logprobs=None)
-            new_requests.append(
-                NewRequestData(
-                    request_id=request.request_id,
-                    token_ids=tuple(request.all_token_ids),
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    sampling_params=params,
-                    block_ids=tuple(request.block_ids),
-                    num_computed_tokens=num_hit,
-                    eos_token_ids=request.eos_token_ids,
-                )
-            )
-            scheduled[request.request_id] = num_new
             budget -= num_new
-            request.num_computed_tokens = num_hit + num_new
-            if request.num_computed_tokens == request.num_tokens:  # (no placeholders while waiting)
-                request.num_output_placeholders += 1  # this step samples its next token
-            if request.run_alone:
-                break  # nothing joins its step
         return budget
+
+    def _admit_isolated(
+        self,
+        isolate: Collection[str],
+        budget: int,
+        scheduled: dict[str, int],
+        new_requests: list[NewRequestData],
+    ) -> int:
+        """0. The first waiting request of `isolate`, alone (see `schedule`); -> the budget left."""
+        request = next((r for r in self.waiting if r.request_id in isolate), None)
+        if request is None or len(self.running) >= self.config.max_num_seqs:
+            return budget
+        num_new = self._admit_one(request, budget, scheduled, new_requests)
+        if num_new is None:
+            return budget
+        self.waiting.remove(request)
+        return budget - num_new
+
+    def _admit_one(
+        self,
+        request: Request,
+        budget: int,
+        scheduled: dict[str, int],
+        new_requests: list[NewRequestData],
+    ) -> int | None:
+        """Admit a waiting request (its prefix-cache hits, blocks for what it computes this step)
+        into this step -> its tokens, or None, changing nothing, when it cannot start now. The
+        caller takes it out of the waiting queue."""
+        hit_blocks, num_hit = self.kv.match_prefix(request)
+        num_new = request.num_tokens - num_hit
+        if not self.config.enable_chunked_prefill and num_new > budget:
+            return None
+        num_new = min(num_new, budget)
+        reserved = 0
+        if self.config.admission is AdmissionMode.RESERVE:
+            reserved = max(0, request.max_num_tokens - num_hit - num_new)
+        if self.kv.allocate_slots(request, num_new, hit_blocks, reserved) is None:
+            return None
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.admitted_step = self.step_id
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        self.kv.record_admission(request, num_hit)
+        params = request.sampling_params
+        if params.prompt_logprobs is not None and request.prompt_logprobs is None:
+            # Sent with its first token already: a recompute needs no prompt logprobs.
+            params = msgspec.structs.replace(params, prompt_logprobs=None)
+        new_requests.append(
+            NewRequestData(
+                request_id=request.request_id,
+                token_ids=tuple(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=params,
+                block_ids=tuple(request.block_ids),
+                num_computed_tokens=num_hit,
+                eos_token_ids=request.eos_token_ids,
+            )
+        )
+        scheduled[request.request_id] = num_new
+        request.num_computed_tokens = num_hit + num_new
+        if request.num_computed_tokens == request.num_tokens:  # (no placeholders while waiting)
+            request.num_output_placeholders += 1  # this step samples its next token
+        return num_new
 
     def _reservation(self, request: Request) -> int:
         """Prompt + max_tokens, capped: where a request stops at the latest (`max_num_tokens`), and
@@ -426,34 +468,28 @@ class Scheduler:
             return FinishReason.STOP, None
         return FinishReason.STOP, token_id
 
-    def reset_executor(self, suspects: Iterable[str] = ()) -> None:
-        """The executor holds no request state any more (a new one, or one that failed a step):
-        every running request is recomputed from scratch and the prefix cache starts empty (its
-        blocks may hold old or half-written K/V). `suspects` (the requests of a step that failed)
-        each run their next step alone, until they sample a token (`clear_suspects`)."""
-        for request_id in suspects:
-            request = self.requests.get(request_id)
-            if request is not None:
-                request.run_alone = True
+    def recompute_all(self) -> None:
+        """Every running request gives its blocks back and waits to be recomputed, as after a
+        preemption, and the prefix cache is emptied. For when the executor dropped its request
+        state (it failed a step, or it is a new one; the caller knows which): its pool's blocks
+        may hold K/V never written, and the next plan names none of the old requests as finished
+        or preempted, since the executor holds none of them."""
         for request in reversed(self.running):
-            self.kv.free(request)  # into the pool that is dropped below: this clears the request's table
+            self.kv.free(request)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
             request.num_output_placeholders = 0
             self.waiting.add_preempted(request)
         self.running = []
-        self.kv = KVCacheManager(
-            self.config.num_blocks, self.config.block_size, self.config.enable_prefix_caching
-        )
+        emptied = self.kv.reset_prefix_cache()
+        assert emptied, "a request holds blocks after every running one freed its own"
         self._in_executor.clear()
         self._finished_ids = []
 
-    def clear_suspects(self, request_ids: Iterable[str]) -> None:
-        """These requests sampled a token since they were suspected: they batch again."""
-        for request_id in request_ids:
-            request = self.requests.get(request_id)
-            if request is not None:
-                request.run_alone = False
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's `reset_prefix_cache`); False, changing
+        nothing, while a running request holds blocks."""
+        return self.kv.reset_prefix_cache()
 
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> SchedulerStats:

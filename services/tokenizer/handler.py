@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from parkade.schemas import (
     AbortRequest,
     EngineRequest,
@@ -51,12 +53,15 @@ from parkade.schemas import (
     sample_request_id,
     topics,
 )
-from parkade.services.bus.base import Headers, Outgoing
-from parkade.services.bus.serve import rejected_letter
+from parkade.services.bus.base import Headers, Outgoing, Record
+from parkade.services.bus.serve import Service, dead_letter, rejected_letter
 from parkade.services.common import tracing
 from parkade.services.common.recent import RecentIds
 from parkade.services.tokenizer.frontend import FrontEnd, RequestStream, StreamUpdate
 from parkade.services.tokenizer.metrics import TokenizerMetrics
+
+# The messages of the generated topic.
+Generated = GeneratedBatch | GeneratedTokens | SchedulerAnnouncement
 
 # Where a request record came from (topic, partition, offset): the same record read again is a
 # redelivery; another record with the same request id is a second request.
@@ -120,7 +125,10 @@ def token_event(request_id: str, update: StreamUpdate) -> TokenEvent:
     )
 
 
-class TokenizerHandler:
+class TokenizerHandler(Service):
+    group_id = "parkade-tokenizer"
+    topics = (topics.REQUESTS, topics.GENERATED)
+
     def __init__(
         self,
         frontend: FrontEnd,
@@ -155,6 +163,36 @@ class TokenizerHandler:
         self.caught_up_at = None
         return Outgoing(topics.REQUESTS, TokenizerAnnouncement(tokenizer_id=self.tokenizer_id))
 
+    def on_record(
+        self, message: GenerateRequest | AbortRequest | TokenizerAnnouncement | Generated, record: Record
+    ) -> list[Outgoing]:
+        if isinstance(message, GenerateRequest | AbortRequest | TokenizerAnnouncement):
+            return self.on_request(message, record.headers, (record.topic, record.partition, record.offset))
+        return self.on_generated(message, record.offset)
+
+    def on_bad_record(self, record: Record, error: Exception) -> list[Outgoing]:
+        """A record that cannot be decoded goes to the dead-letter topic; a request record's
+        stream, when its request id can be read (from the record, else its key), also gets an
+        error event, so that a client with a typo gets an answer instead of waiting."""
+        out = [dead_letter(record, error)]
+        if not record.topic.endswith(topics.REQUESTS):
+            return out
+        try:
+            codec = msgspec.json if topics.is_json(record.header(topics.CONTENT_TYPE)) else msgspec.msgpack
+            raw = codec.decode(record.value)
+        except msgspec.DecodeError:
+            raw = None
+        request_id = raw.get("request_id") if isinstance(raw, dict) else None
+        if not (isinstance(request_id, str) and request_id) and record.key:
+            request_id = record.key.decode(errors="replace")
+        if isinstance(request_id, str) and request_id:
+            error_text = f"invalid request: {error}"
+            out.append(error_event(request_id, error_text, ErrorKind.INVALID_REQUEST, record.headers))
+        return out
+
+    def after_batch(self) -> list[Outgoing]:
+        return self.check_orphans()
+
     def on_request(
         self,
         message: GenerateRequest | AbortRequest | TokenizerAnnouncement,
@@ -175,6 +213,17 @@ class TokenizerHandler:
             if open_ is None:
                 return []  # unknown or finished: aborting is idempotent
             return self._finish_samples(request_id, open_.stream.live_engine_request_ids(), headers)
+        refused = self._refused_before_tokenizing(message, headers, source)
+        if refused is not None:
+            return refused
+        return self._open(message, headers, source)
+
+    def _refused_before_tokenizing(
+        self, message: GenerateRequest, headers: Headers, source: Source | None
+    ) -> list[Outgoing] | None:
+        """Nothing (a redelivery), an error event (an id in use, a bad header or option), or None:
+        the request may be tokenized."""
+        request_id = message.request_id
         open_ = self.streams.get(request_id)
         if open_ is not None:
             if source is None or open_.source == source:
@@ -208,6 +257,12 @@ class TokenizerHandler:
             error = f"request id {request_id!r}: its sample id {taken[0]!r} is in use; use another id"
             self.finished.add(request_id, source)
             return [error_event(request_id, error, ErrorKind.INVALID_REQUEST, headers)]
+        return None
+
+    def _open(self, message: GenerateRequest, headers: Headers, source: Source | None) -> list[Outgoing]:
+        """Tokenize a request and open its stream; -> its samples for the scheduler, after its
+        events so far when they were read first (after a restart)."""
+        request_id = message.request_id
         span = tracing.start_span("tokenize", headers, attributes={"parkade.request_id": request_id})
         try:
             request, stream = self.frontend.make_request_from(message)
@@ -285,9 +340,7 @@ class TokenizerHandler:
             out.append(Outgoing(topics.TOKENIZED, finish, request_id))
         return out
 
-    def on_generated(
-        self, message: GeneratedBatch | GeneratedTokens | SchedulerAnnouncement, offset: int | None = None
-    ) -> list[Outgoing]:
+    def on_generated(self, message: Generated, offset: int | None = None) -> list[Outgoing]:
         """`offset`: the record's, on the generated topic (None: not from the log)."""
         if offset is not None:
             if self.generated_position is None:

@@ -41,7 +41,7 @@ class Up:
             if "--http-port" not in args:  # a free one: tests run stacks side by side
                 args = (*args, "--http-port", "0")
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "parkade.cli", "up", *args],
+                [sys.executable, "-P", "-m", "parkade.cli", "up", *args],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -58,7 +58,7 @@ class Up:
 
     def generate(self, prompt: str, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "parkade.cli", "generate", prompt, "--timeout", "120", *args],
+            [sys.executable, "-P", "-m", "parkade.cli", "generate", prompt, "--timeout", "120", *args],
             env=self.env,
             capture_output=True,
             text=True,

@@ -196,9 +196,7 @@ def test_errors_are_answered_as_openai_clients_expect(module_broker):
         await unauthorized.close()
         return seen, (large, large_chunked), no_key, open_paths, metrics, health
 
-    seen, large, no_key, open_paths, metrics, health = run_with_gateway(
-        module_broker, body, api_key="secret"
-    )
+    seen, large, no_key, open_paths, metrics, health = run_with_gateway(module_broker, body, api_key="secret")
     assert all(body["param"] == name for name, body in seen.items()) and len(seen) == 5
     assert "more than the model's max_model_len=512" in seen["prompt"]["message"]
     assert [r.status_code for r in large] == [413, 413]

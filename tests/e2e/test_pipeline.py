@@ -188,7 +188,15 @@ def test_a_topic_with_several_partitions_is_refused(bootstrap_servers):
     asyncio.run(main())
     # A service on such a topic says so in one line and exits.
     prefix = name.removesuffix("step-plans")
-    service = [sys.executable, "-m", "parkade.cli", "scheduler", "--bootstrap-servers", bootstrap_servers]
+    service = [
+        sys.executable,
+        "-P",
+        "-m",
+        "parkade.cli",
+        "scheduler",
+        "--bootstrap-servers",
+        bootstrap_servers,
+    ]
     result = subprocess.run([*service, "--topic-prefix", prefix], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert result.stderr == f"parkade scheduler: topic {name} has 2 partitions; Parkade needs 1\n"
@@ -260,8 +268,7 @@ def test_fuzzed_input_topics_leave_every_service_up_and_every_good_stream_exact(
     rng = random.Random(9)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = [
-        o.outputs[0].text
-        for o in LLM(STORIES, dtype="float32", **ENGINE).generate(OPENINGS[:4], params)
+        o.outputs[0].text for o in LLM(STORIES, dtype="float32", **ENGINE).generate(OPENINGS[:4], params)
     ]
     encode = topics.ENCODER.encode
 
@@ -292,21 +299,43 @@ def test_fuzzed_input_topics_leave_every_service_up_and_every_good_stream_exact(
                     fuzz.append((topic, _flipped(value, rng)))
             fuzz += junk
             absurd = [
-                (topics.REQUESTS, encode({"type": "generate", "request_id": "neg", "prompt": "hi",
-                                          "sampling_params": {"max_tokens": -5}})),
+                (
+                    topics.REQUESTS,
+                    encode(
+                        {
+                            "type": "generate",
+                            "request_id": "neg",
+                            "prompt": "hi",
+                            "sampling_params": {"max_tokens": -5},
+                        }
+                    ),
+                ),
                 (topics.REQUESTS, encode(GenerateRequest(request_id="ids", prompt_token_ids=(10**9,)))),
                 (topics.REQUESTS, encode(GenerateRequest(request_id="big", prompt="a " * 5000))),
-                (topics.TOKENIZED, encode(EngineRequest(request_id="e-big", prompt_token_ids=(10**9,),
-                                                        sampling_params=params))),
-                (topics.STEP_PLANS, encode(StepPlan(step_id=10**9, executor_id=executor_id,
-                                                    scheduler_id="forged", epoch=7))),
+                (
+                    topics.TOKENIZED,
+                    encode(
+                        EngineRequest(request_id="e-big", prompt_token_ids=(10**9,), sampling_params=params)
+                    ),
+                ),
+                (
+                    topics.STEP_PLANS,
+                    encode(StepPlan(step_id=10**9, executor_id=executor_id, scheduler_id="forged", epoch=7)),
+                ),
                 (topics.STEP_PLANS, encode(StepPlan(step_id=-1, executor_id=executor_id))),
                 (topics.STEP_RESULTS, encode(StepResult(step_id=3, executor_id="forged", error="x"))),
-                (topics.STEP_RESULTS, encode(ExecutorAnnouncement(
-                    executor_id=executor_id, model="m", num_blocks=0, block_size=0, max_model_len=0,
-                    vocab_size=0))),
-                (topics.GENERATED, encode(GeneratedTokens(request_id="never-seen", index=10**6,
-                                                          token_ids=(10**9,)))),
+                (
+                    topics.STEP_RESULTS,
+                    encode(
+                        ExecutorAnnouncement(
+                            executor_id=executor_id, num_blocks=0, block_size=0, max_model_len=0, vocab_size=0
+                        )
+                    ),
+                ),
+                (
+                    topics.GENERATED,
+                    encode(GeneratedTokens(request_id="never-seen", index=10**6, token_ids=(10**9,))),
+                ),
             ]
             fuzz += absurd
             rng.shuffle(fuzz)
@@ -360,9 +389,11 @@ def test_json_and_msgpack_requests_from_a_plain_kafka_client(bootstrap_servers):
 
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-    expected = LLM(STORIES, dtype="float32", **ENGINE).generate(
-        ["Once upon a time"], SamplingParams(temperature=0, max_tokens=5)
-    )[0].outputs[0]
+    expected = (
+        LLM(STORIES, dtype="float32", **ENGINE)
+        .generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=5))[0]
+        .outputs[0]
+    )
 
     async def body(pipeline, prefix):
         request = {
@@ -435,9 +466,11 @@ def test_the_readmes_kcat_commands_stream_a_json_request(bootstrap_servers):
     assert shutil.which("kcat"), "kcat is missing: `make test` installs Debian's kcat where it can"
     export, produce, consume = _readme_kcat_lines()
     assert export.startswith("export KAFKA_BOOTSTRAP_SERVERS=")
-    expected = LLM(STORIES, dtype="float32", **ENGINE).generate(
-        ["Once upon a time"], SamplingParams(temperature=0, max_tokens=32)
-    )[0].outputs[0]
+    expected = (
+        LLM(STORIES, dtype="float32", **ENGINE)
+        .generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=32))[0]
+        .outputs[0]
+    )
     venv = str(pathlib.Path(sys.executable).parent.parent)
 
     async def shell(line: str) -> str:

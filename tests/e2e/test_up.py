@@ -165,7 +165,16 @@ def test_a_second_stack_on_the_same_broker_is_refused_and_a_rebalance_heals(tmp_
         # The broker dies mid-stream: the client says so in one line, exit status 1, within
         # seconds; `parkade up` stops (the topics lived in the broker's memory).
         client = subprocess.Popen(
-            [sys.executable, "-m", "parkade.cli", "generate", "Once upon a time", "--max-tokens", "480"],
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "parkade.cli",
+                "generate",
+                "Once upon a time",
+                "--max-tokens",
+                "480",
+            ],
             env=first.env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -174,4 +174,4 @@ def test_vllms_sampling_params_module_imports_without_torch():
         "assert B is BeamSearchParams and RequestOutputKind.DELTA == 1\n"
         "sys.exit('torch' in sys.modules)\n"
     )
-    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+    assert subprocess.run([sys.executable, "-P", "-c", code], timeout=120).returncode == 0

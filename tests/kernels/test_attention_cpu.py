@@ -36,9 +36,7 @@ def decode_case(num_seqs: int, dtype: torch.dtype, *, num_q_heads: int, num_kv_h
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("num_q_heads", "num_kv_heads", "head_dim"), [(4, 2, 64), (12, 4, 64), (8, 8, 128)]
-)
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim"), [(4, 2, 64), (12, 4, 64), (8, 8, 128)])
 @pytest.mark.parametrize("num_seqs", [3, 48])  # 3: one KV head per item; 48: whole rows per item
 @pytest.mark.parametrize("window", [None, 100])
 def test_batched_decode_equals_the_torch_path(

@@ -100,7 +100,7 @@ def test_the_scheduler_core_imports_no_torch_and_no_kafka():
 )
 def test_the_scheduler_and_the_command_line_start_without_torch(module):
     code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0, (
+    assert subprocess.run([sys.executable, "-P", "-c", code], timeout=120).returncode == 0, (
         f"{module} imports torch"
     )
 

@@ -9,7 +9,7 @@ import pytest
 
 from parkade.schemas import AbortRequest, topics
 from parkade.services.bus import MemoryBus
-from parkade.services.bus.serve import serve
+from parkade.services.bus.serve import Service, serve
 
 PREFIX = "t."
 REQUESTS = topics.topic_name(topics.REQUESTS, PREFIX)
@@ -20,11 +20,20 @@ def abort(request_id: str) -> bytes:
     return msgspec.msgpack.encode(AbortRequest(request_id=request_id))
 
 
-async def _serve_until(bus, handler, until, **kwargs):
+class _Requests(Service):
+    """A service of the requests topic whose methods are the functions given."""
+
+    group_id = "g"
+    topics = (topics.REQUESTS,)
+
+    def __init__(self, on_record, **methods):
+        self.on_record = on_record
+        self.__dict__.update(methods)
+
+
+async def _serve_until(bus, handler, until, **methods):
     stop = asyncio.Event()
-    task = asyncio.create_task(
-        serve(bus, prefix=PREFIX, group_id="g", handlers={topics.REQUESTS: handler}, stop=stop, **kwargs)
-    )
+    task = asyncio.create_task(serve(bus, _Requests(handler, **methods), prefix=PREFIX, stop=stop))
     await until()
     stop.set()
     await task
@@ -42,9 +51,7 @@ def test_a_batch_is_committed_only_after_its_handler_succeeded():
             await blocked.wait()
             return []
 
-        crashed = asyncio.create_task(
-            serve(bus, prefix=PREFIX, group_id="g", handlers={topics.REQUESTS: stuck}, stop=asyncio.Event())
-        )
+        crashed = asyncio.create_task(serve(bus, _Requests(stuck), prefix=PREFIX, stop=asyncio.Event()))
         while not handled:
             await asyncio.sleep(0.01)
         crashed.cancel()

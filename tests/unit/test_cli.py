@@ -160,7 +160,7 @@ def _free_port() -> int:
 
 def _parkade(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "parkade.cli", *argv], capture_output=True, text=True, timeout=120
+        [sys.executable, "-P", "-m", "parkade.cli", *argv], capture_output=True, text=True, timeout=120
     )
 
 

@@ -91,13 +91,13 @@ def test_every_scheduler_flag_reaches_the_scheduler_through_parkade_up():
     argv = up.service_argv("scheduler", args)
     parser = service_parser("scheduler", None)
     add_flags(parser, scheduler_main.FLAGS)
-    handler = scheduler_main.build_handler(parser.parse_args(["--bootstrap-servers", "x:1", *argv]))
+    handler = scheduler_main.build_service(parser.parse_args(["--bootstrap-servers", "x:1", *argv]))
     expected = SchedulingOptions(**NON_DEFAULTS[SchedulingOptions])
-    assert handler.options == expected and handler.max_in_flight == 3
-    assert (handler.executor_timeout_s, handler.executor_wait_s) == (7.5, 33)
+    assert handler.options == expected and handler.link.max_in_flight == 3
+    assert (handler.link.executor_timeout_s, handler.executor_wait_s) == (7.5, 33)
     # ... and shapes the scheduler once an executor announces its pool.
     announcement = ExecutorAnnouncement(
-        executor_id="e", model="m", num_blocks=40, block_size=8, max_model_len=96, vocab_size=50
+        executor_id="e", num_blocks=40, block_size=8, max_model_len=96, vocab_size=50
     )
     handler.on_announcement(announcement)
     config = handler.scheduler.config

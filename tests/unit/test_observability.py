@@ -109,7 +109,7 @@ def test_a_service_with_settings_that_cannot_work_says_so_in_one_line():
     import sys
 
     env = {**os.environ, "KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}
-    service = [sys.executable, "-m", "parkade.cli", "scheduler", "--bootstrap-servers", "127.0.0.1:1"]
+    service = [sys.executable, "-P", "-m", "parkade.cli", "scheduler", "--bootstrap-servers", "127.0.0.1:1"]
     result = subprocess.run(service, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr == (

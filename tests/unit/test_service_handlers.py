@@ -25,6 +25,7 @@ from parkade.schemas import (
     topics,
 )
 from parkade.services.bus.base import Outgoing
+from parkade.services.bus.serve import serve
 from parkade.services.scheduler.config import SchedulingOptions
 from parkade.services.scheduler.handler import SchedulerHandler
 from parkade.services.tokenizer.frontend import FrontEnd, TokenizerOptions
@@ -152,7 +153,6 @@ def test_tokenizer_handler_stops_the_scheduler_when_a_stop_string_matches(
 def announce(executor_id="e1", num_blocks=64):
     return ExecutorAnnouncement(
         executor_id=executor_id,
-        model="m",
         num_blocks=num_blocks,
         block_size=4,
         max_model_len=64,
@@ -231,7 +231,7 @@ def test_a_new_executor_makes_the_scheduler_recompute_everything():
         )
     )
     handler.on_announcement(announce("e2"))  # e1 died: its KV pool is gone
-    assert not handler.in_flight and handler.scheduler.kv.num_free_blocks == 64
+    assert not handler.link.in_flight and handler.scheduler.kv.num_free_blocks == 64
     plans = []
     out = drive(handler, FakeExecutor(vocab_size=50, seed=4, block_size=4), seen_plans=plans)
     (resumed,) = plans[0].new_requests
@@ -275,8 +275,8 @@ def test_a_late_heartbeat_of_a_replaced_executor_is_ignored():
     handler.on_announcement(announce("e2"))
     handler.on_tokenized(engine_request("a"))
     plans = handler.next_plans()
-    assert handler.on_announcement(announce("e1")) == [] and handler.executor_id == "e2"
-    assert len(handler.in_flight) == len(plans) > 0
+    assert handler.on_announcement(announce("e1")) == [] and handler.link.executor_id == "e2"
+    assert len(handler.link.in_flight) == len(plans) > 0
 
 
 class _CountingExecutor:
@@ -300,7 +300,7 @@ def test_executor_handler_runs_each_plan_once_and_follows_a_new_scheduler():
     from parkade.services.executor.handler import ExecutorHandler
 
     fake = _CountingExecutor()
-    handler = ExecutorHandler(fake, model="m", max_model_len=32, eos_token_ids=())
+    handler = ExecutorHandler(fake, max_model_len=32)
     plan = StepPlan(step_id=1, executor_id=handler.executor_id, scheduler_id="s1")
     (out,) = handler.on_plan(plan)
     assert out.message.executor_id == handler.executor_id
@@ -477,7 +477,8 @@ def test_recover_tells_a_request_that_ended_in_the_window_from_one_whose_history
     cut = [GeneratedTokens(request_id="y", index=3, token_ids=(4,))]  # cannot be; starts again
     live = [GeneratedTokens(request_id="z", index=0, token_ids=(8, 9))]
     handler.recover(100, [GeneratedBatch(events=(*ended_late, *cut, *live))])
-    assert "x" in handler.finished and handler.resume == {"y": [], "z": [8, 9]}
+    assert "x" in handler.live.finished and "x" not in handler.live
+    assert {r.request_id: r.outputs for r in handler.live.values()} == {"y": [], "z": [8, 9]}
 
 
 def test_a_restarted_scheduler_resumes_each_request_at_its_next_index():
@@ -511,8 +512,8 @@ def test_a_restarted_scheduler_resumes_each_request_at_its_next_index():
 
     second = SchedulerHandler(SchedulingOptions())
     second.recover(0, log_)
-    assert set(second.resume) == {"a", "b"} and "c" in second.finished
-    assert second.resume["a"] == generated["a"]
+    assert set(second.live) == {"a", "b"} and "c" in second.live.finished
+    assert second.live["a"].outputs == generated["a"]
     second.on_sent(Outgoing(topics.GENERATED, GeneratedBatch(events=())), 50)  # others' events
     second.on_announcement(announce("e1"))
     assert second.progress() == {topics.GENERATED: 0}  # "a" and "b" are not read again yet
@@ -592,7 +593,7 @@ class _FlakyExecutor(FakeExecutor):
 def _executor_handler(fake):
     from parkade.services.executor.handler import ExecutorHandler
 
-    return ExecutorHandler(fake, model="m", max_model_len=64, eos_token_ids=())
+    return ExecutorHandler(fake, max_model_len=64)
 
 
 def events_of(outs):
@@ -659,7 +660,7 @@ def test_plans_the_scheduler_did_not_send_cannot_stall_it():
     (forged,) = executor.on_plan(msgspec.structs.replace(plan, step_id=1000, new_requests=()))
     assert scheduler.on_step_results(forged.message) == []  # not a step it sent: no match
     scheduler.on_step_results(executor.announcement().message)
-    assert scheduler.epoch == executor.epoch == 1 and not scheduler.in_flight
+    assert scheduler.link.epoch == executor.epoch == 1 and not scheduler.link.in_flight
     fake.fails = lambda plan: False
     empty = StepPlan(step_id=5000, executor_id=executor.executor_id, scheduler_id=plan.scheduler_id, epoch=1)
     (ran,) = executor.on_plan(empty)
@@ -668,7 +669,7 @@ def test_plans_the_scheduler_did_not_send_cannot_stall_it():
     assert plans and all(executor.on_plan(p) == [] for p in plans)  # "redelivered": no answers
     now[0] = 11.0
     plans = [o.message for o in scheduler.next_plans()]  # the step timeout: a new epoch
-    assert scheduler.epoch == 2 and {p.epoch for p in plans} == {2}
+    assert scheduler.link.epoch == 2 and {p.epoch for p in plans} == {2}
     events = {}
     for p in plans:  # the executor takes them
         for event in events_of(scheduler.on_step_results(executor.on_plan(p)[0].message)):
@@ -692,7 +693,7 @@ def test_a_failed_step_recomputes_every_request_and_loses_no_token():
     after = [p for p in plans if p.epoch == 1]
     assert [tuple(p.num_scheduled_tokens) for p in after[:3]] == [("a",), ("b",), ("c",)]
     assert len(after[-2].num_scheduled_tokens) > 1 or len(after[-3].num_scheduled_tokens) > 1
-    assert scheduler.scheduler.kv.num_free_blocks == 64 and not scheduler.step_failures
+    assert scheduler.scheduler.kv.num_free_blocks == 64 and not scheduler.live
 
 
 def test_a_request_that_fails_every_step_ends_with_the_cause_and_the_others_finish():
@@ -729,7 +730,9 @@ def test_a_silent_executor_is_declared_lost_and_its_requests_resume_when_it_retu
     (result,) = executor.on_plan(plans[0])
     scheduler.on_step_results(result.message)  # index 0 is out; plan 2 is still in flight
     clock.now += 16  # no heartbeat, no result
-    assert scheduler.next_plans() == [] and scheduler.executor_id is None and not scheduler.in_flight
+    assert (
+        scheduler.next_plans() == [] and scheduler.link.executor_id is None and not scheduler.link.in_flight
+    )
     scheduler.on_tokenized(engine_request("late", max_tokens=3))  # waits for an executor too
     clock.now += 30
     assert scheduler.next_plans() == []  # still within executor_wait_s
@@ -749,7 +752,7 @@ def test_requests_without_an_executor_end_with_an_error_after_the_wait():
     clock.now += 2
     (event,) = events_of(scheduler.next_plans())
     assert event.finish_reason == FinishReason.ERROR and "no executor" in event.error
-    assert not scheduler.pending and not scheduler.waiting_since
+    assert not scheduler.live
 
 
 def test_the_executors_heartbeat_survives_failed_sends():
@@ -767,13 +770,15 @@ def test_the_executors_heartbeat_survives_failed_sends():
                 raise ConnectionError("broker away (injected)")
             return await super().queue_many(records)
 
-    executor = _executor_handler(_FlakyExecutor(lambda plan: False))
+    executor = executor_main.ExecutorService(
+        _FlakyExecutor(lambda plan: False), max_model_len=64, heartbeat_s=0.01
+    )
 
     async def main():
         bus, stop = FlakyBus(), asyncio.Event()
         await bus.create_topics(topics.all_topic_names("t."))
         reader = await bus.consumer([topics.topic_name(topics.STEP_RESULTS, "t.")], None)
-        task = asyncio.create_task(executor_main.run(bus, executor, prefix="t.", stop=stop, heartbeat_s=0.01))
+        task = asyncio.create_task(serve(bus, executor, prefix="t.", stop=stop))
         beats = []
         for _ in range(200):
             beats += await reader.getmany(timeout_ms=10)
@@ -797,18 +802,19 @@ def test_an_executor_whose_step_hangs_gives_up_its_process():
     from parkade.services.executor import main as executor_main
 
     release = threading.Event()
-    executor = _executor_handler(_FlakyExecutor(lambda plan: release.wait(10) and False))
     hung = []
+    executor = executor_main.ExecutorService(
+        _FlakyExecutor(lambda plan: release.wait(10) and False),
+        max_model_len=64,
+        heartbeat_s=0.02,
+        step_deadline_s=0.2,
+        on_hung=lambda: hung.append(True),
+    )
 
     async def main():
         bus, stop = MemoryBus(), asyncio.Event()
         await bus.create_topics(topics.all_topic_names("t."))
-        task = asyncio.create_task(
-            executor_main.run(
-                bus, executor, prefix="t.", stop=stop, heartbeat_s=0.02, step_deadline_s=0.2,
-                on_hung=lambda: hung.append(True),
-            )
-        )  # fmt: skip
+        task = asyncio.create_task(serve(bus, executor, prefix="t.", stop=stop))
         plan = StepPlan(step_id=1, executor_id=executor.executor_id, scheduler_id="s")
         await bus.send(topics.topic_name(topics.STEP_PLANS, "t."), topics.ENCODER.encode(plan))
         for _ in range(200):
