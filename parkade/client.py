@@ -20,7 +20,6 @@ from parkade.services.bus.client import (
     PROBE_S,
     PipelineGoneError,
     RequestClient,
-    _Stream,
     new_traceparent,
 )
 
@@ -30,7 +29,6 @@ __all__ = [
     "Client",
     "NoBrokerError",
     "PipelineGoneError",
-    "_Stream",
     "find_broker",
     "new_traceparent",
 ]

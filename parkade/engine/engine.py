@@ -7,6 +7,7 @@ tokenization, checks, arrival times, detokenization and stop strings as across K
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from parkade.engine.args import EngineArgs
@@ -16,6 +17,7 @@ from parkade.engine.outputs import RequestOutput
 from parkade.engine.stats import StatLogger
 from parkade.schemas import FinishReason, SamplingParams
 from parkade.services.common.model_config import ModelConfig
+from parkade.services.common.model_files import check_model_folder
 from parkade.services.common.prompts import ChatOptions, ChatType
 from parkade.services.executor.build import build_executor
 from parkade.services.executor.executor import Executor
@@ -50,14 +52,14 @@ def build_engine_parts(args: EngineArgs) -> tuple[ModelConfig, Scheduler, Execut
 class Engine:
     def __init__(self, args: EngineArgs, *, skip_tokenizer_init: bool = False) -> None:
         self.args = args
-        # The front end first: a folder without a tokenizer fails before the weights load.
-        self.frontend = FrontEnd.from_options(
-            args.options(TokenizerOptions), skip_tokenizer_init=skip_tokenizer_init
-        )
+        tokenizer = args.options(TokenizerOptions)
+        if not skip_tokenizer_init:  # a folder without a tokenizer fails before the weights load
+            check_model_folder(tokenizer.tokenizer or tokenizer.model, config=False, weights=False)
         self.model_config, scheduler, executor = build_engine_parts(args)
-        # The engine's limit (the executor's, which the pool may lower) is the front end's too:
-        # truncate_prompt_tokens=-1 cuts a prompt to it.
-        self.frontend.max_model_len = scheduler.config.max_model_len
+        # The engine's limit is the executor's (`build_executor` may lower an unset one to its
+        # pool), and so the front end's: truncate_prompt_tokens=-1 cuts a prompt to it.
+        tokenizer = dataclasses.replace(tokenizer, max_model_len=scheduler.config.max_model_len)
+        self.frontend = FrontEnd.from_options(tokenizer, skip_tokenizer_init=skip_tokenizer_init)
         self.core = EngineCore(scheduler, executor)
         self.stat_logger = None if args.disable_log_stats else StatLogger(scheduler)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -266,6 +266,14 @@ class RequestClient:
         async for event in self.stream(request_id, timeout_s):
             yield event
 
+    def expect(self, request_id: str, num_samples: int = 1) -> None:
+        """Keep the events of a request this client did not submit (another producer wrote it
+        to the requests topic, with this client's reply topic or on the shared one) for
+        `stream(request_id)`."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is being streamed by this client already")
+        self._streams[request_id] = _Stream(traceparent=b"", num_samples=num_samples)
+
     async def abandon(self, request_id: str) -> None:
         """Stop keeping a submitted request's events, and abort it (nobody will stream it)."""
         self._streams.pop(request_id, None)

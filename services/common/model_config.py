@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPE_NAMES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig"]
+__all__ = ["DTYPE_NAMES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig", "resolve_max_model_len"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # vLLM's names, aliases included.
@@ -170,6 +170,22 @@ def read_max_position_embeddings(model_dir: str | Path) -> int:
     """The model's longest sequence, from config.json alone (no torch, no weights)."""
     cfg = _read_json(Path(model_dir) / "config.json") or {}
     return cfg.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)
+
+
+def resolve_max_model_len(max_position_embeddings: int, requested: int | None) -> int:
+    """The longest request (prompt + output) served: `requested`, or unset the model's own
+    limit. ValueError above the model's limit (vLLM's rule). The one rule of the executor, the
+    tokenizer, the gateway and `parkade up`; only the executor may then lower an unset limit,
+    to what its KV pool holds (`build_executor`), which it announces."""
+    if requested is None:
+        return max_position_embeddings
+    if requested < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {requested}")
+    if requested > max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings={max_position_embeddings}"
+        )
+    return requested
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -1,5 +1,6 @@
-"""A prompt's token ids, checked against its model: what the tokenizer service and the gateway
-both refuse before a request reaches the scheduler."""
+"""A prompt's token ids, checked against its model, and the words a request bans as token ids:
+the tokenization that the front end (the tokenizer service, the in-process engine) and the
+gateway share. A request is tokenized once: the gateway sends what it tokenized as token ids."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from parkade.schemas import ChatMessage
+from parkade.schemas import ChatMessage, SamplingParams
 
 ChatType = Sequence[ChatMessage | Mapping[str, str]]
 
@@ -114,3 +115,20 @@ def render_chat(tokenizer: Any, messages: ChatType, chat: ChatOptions) -> str:
         continue_final_message=chat.continue_final_message,
         **(chat.chat_template_kwargs or {}),
     )
+
+
+def resolve_bad_words(tokenizer: Any | None, params: SamplingParams) -> SamplingParams:
+    """`params` with its `bad_words` moved into `bad_words_token_ids` (vLLM's rule: each word
+    alone and after a space, since a word mid-text is usually tokenized with its leading space),
+    so that resolving again tokenizes nothing."""
+    if not params.bad_words:
+        return params
+    if tokenizer is None:
+        raise ValueError("bad_words need a tokenizer; pass bad_words_token_ids instead")
+    sequences = list(params.bad_words_token_ids)
+    for word in params.bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return msgspec.structs.replace(params, bad_words=(), bad_words_token_ids=tuple(sequences))

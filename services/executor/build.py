@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from parkade.services.common.model_config import ModelConfig
+from parkade.services.common.model_config import ModelConfig, resolve_max_model_len
 from parkade.services.common.model_files import check_model_folder
 from parkade.services.executor import kv_budget
 from parkade.services.executor.executor import Executor
@@ -73,12 +73,7 @@ def build_executor(
     check_model_folder(options.model, tokenizer=False)
     device = resolve_device(options)
     model_config = ModelConfig.from_pretrained(options.model, options.dtype)
-    max_model_len = options.max_model_len or model_config.max_position_embeddings
-    if max_model_len > model_config.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-            f"{model_config.max_position_embeddings}"
-        )
+    max_model_len = resolve_max_model_len(model_config.max_position_embeddings, options.max_model_len)
     if before_load is not None:
         before_load(max_model_len)
     executor = Executor(

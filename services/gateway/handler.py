@@ -6,7 +6,9 @@ reaches the pipeline, and the text of a token for logprobs.
 
 A request is refused here (GatewayError, in OpenAI's shape) when its body or a parameter is
 invalid (400), it names another model (404), or a prompt cannot run on the model (too long for
-it, ids outside its vocabulary: 400), so that such a request never travels through Kafka.
+it, ids outside its vocabulary: 400), so that such a request never travels through Kafka. What
+passes is tokenized here, once (a chat rendered by its template, the bad words too): it travels
+as token ids, which the tokenizer service takes as they are.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import Any
 import msgspec
 
 from parkade.models import DEFAULT_MODEL
+from parkade.schemas import SamplingParams
 from parkade.services.common import prompts
-from parkade.services.common.model_config import ModelConfig
+from parkade.services.common.model_config import ModelConfig, resolve_max_model_len
 from parkade.services.common.model_files import MODEL_METADATA, check_model_folder, load_tokenizer
 from parkade.services.gateway.protocol import (
     Answer,
@@ -103,9 +106,7 @@ class GatewayHandler:
             model_name=options.served_model_name or Path(options.model).name,
             root=str(options.model),
             vocab_size=config.vocab_size,
-            max_model_len=min(
-                options.max_model_len or config.max_position_embeddings, config.max_position_embeddings
-            ),
+            max_model_len=resolve_max_model_len(config.max_position_embeddings, options.max_model_len),
             trust_request_chat_template=options.trust_request_chat_template,
         )
 
@@ -144,28 +145,38 @@ class GatewayHandler:
             params = msgspec.structs.replace(request.params, truncate_prompt_tokens=self.max_model_len)
             request = dataclasses.replace(request, params=params)
         answer = Answer.new(chat, self.model_name)
+        params = self._resolved(request.params)
         submits, choices = [], []
-        n = request.params.n
+        n = params.n
         for index, prompt in enumerate(request.prompts):
-            num_prompt_tokens = self._num_prompt_tokens(request, prompt, "messages" if chat else "prompt")
+            token_ids = self._prompt_token_ids(request, prompt, "messages" if chat else "prompt")
             submits.append(
                 {
-                    **_prompt_fields(prompt),
-                    "sampling_params": request.params,
+                    # Tokenized here, once: the tokenizer service takes the ids as they are.
+                    "prompt_token_ids": token_ids,
+                    "prompt": prompt.text,  # kept beside them for the logs (None for ids, chats)
+                    "sampling_params": params,
                     "priority": request.priority,
                     "cache_salt": request.cache_salt,
-                    "chat": request.chat_options,
                     # Unique per HTTP request; the index tells a choice's events apart.
                     "request_id": f"{answer.id}-{index}" if len(request.prompts) > 1 else answer.id,
                 }
             )
             # Prompt i's sample s is choice i * n + s (OpenAI's order).
-            choices += [Choice(index * n + s, num_prompt_tokens if s == 0 else 0) for s in range(n)]
+            choices += [Choice(index * n + s, len(token_ids) if s == 0 else 0) for s in range(n)]
         return Opened(request, answer, submits, choices)
 
-    def _num_prompt_tokens(self, request: OpenAIRequest, prompt: Prompt, param: str) -> int:
+    def _resolved(self, params: SamplingParams) -> SamplingParams:
+        """`bad_words` as token ids (tokenized here too, like the prompt)."""
         try:
-            token_ids = prompts.prompt_token_ids(
+            return prompts.resolve_bad_words(self.tokenizer, params)
+        except ValueError as error:
+            raise GatewayError(400, str(error), "bad_words") from None
+
+    def _prompt_token_ids(self, request: OpenAIRequest, prompt: Prompt, param: str) -> list[int]:
+        """The prompt tokenized (a chat rendered first) and checked against the model."""
+        try:
+            return prompts.prompt_token_ids(
                 self.tokenizer,
                 vocab_size=self.vocab_size,
                 max_model_len=self.max_model_len,
@@ -177,17 +188,8 @@ class GatewayHandler:
             )
         except Exception as error:  # a template may raise anything on a chat it refuses
             raise GatewayError(400, str(error), param) from None
-        return len(token_ids)
 
     def _token_text(self, token_id: int) -> str:
         # Decoded after another token: alone, a SentencePiece-style tokenizer drops the leading
         # space that the token carries in a text.
         return self.tokenizer.decode([self._anchor, token_id])[len(self._anchor_text) :]
-
-
-def _prompt_fields(prompt: Prompt) -> dict[str, Any]:
-    if prompt.messages is not None:
-        return {"messages": [msgspec.structs.asdict(m) for m in prompt.messages]}
-    if prompt.token_ids is not None:
-        return {"prompt_token_ids": list(prompt.token_ids)}
-    return {"prompt": prompt.text}

@@ -378,11 +378,6 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
     }
 
 
-def _top(position: TokenLogprobs) -> list[tuple[int, float]]:
-    """The top-k (token id, logprob) of a position: its entries after the sampled token's."""
-    return list(zip(position.token_ids[1:], position.logprobs[1:], strict=True))
-
-
 def completion_logprobs(logprobs: list[TokenLogprobs], token_text: TokenText, offset: int) -> dict[str, Any]:
     """The completions API's (legacy) logprobs: `offset` is where this text starts in the choice."""
     tokens, token_logprobs, top, text_offset = [], [], [], []

@@ -39,7 +39,7 @@ from parkade.schemas import (
     sample_request_id,
 )
 from parkade.services.common import prompts
-from parkade.services.common.model_config import ModelConfig
+from parkade.services.common.model_config import ModelConfig, resolve_max_model_len
 from parkade.services.common.model_files import (
     MAX_MODEL_LEN_METADATA,
     MODEL_METADATA,
@@ -182,19 +182,7 @@ class RequestStream:
         if sample.index == 0:
             self.num_cached_tokens = message.num_cached_tokens
         if message.error is not None:
-            sample.finished = self.finished = True
-            return StreamUpdate(
-                sample.next_index,
-                (),
-                sample.text,
-                "",
-                finish_reason=FinishReason.ERROR,
-                error=message.error,
-                error_kind=message.error_kind or ErrorKind.INTERNAL,
-                sample_index=sample.index,
-                engine_request_id=sample.engine_request_id,
-                cancel=self.live_engine_request_ids(),
-            )
+            return self._failed(sample, message)
         if message.token_ids and self.first_token_time is None:
             self.first_token_time = time.time()
         finish_reason, stop_reason = message.finish_reason, message.stop_reason
@@ -209,16 +197,7 @@ class RequestStream:
             text = sample.detokenizer.text(finished=finish_reason is not None)
         delta, sample.text = text[len(sample.text) :], text
         sample.next_index = message.index + len(message.token_ids)
-        usage = None
-        if finish_reason is not None:
-            sample.finished = True
-            if all(s.finished for s in self.samples):
-                self.finished = True
-                usage = Usage(
-                    prompt_tokens=len(self.request.prompt_token_ids),
-                    completion_tokens=self.num_output_tokens,
-                    cached_tokens=self.num_cached_tokens,
-                )
+        usage = self._finish(sample) if finish_reason is not None else None
         return StreamUpdate(
             message.index,
             message.token_ids,
@@ -232,6 +211,34 @@ class RequestStream:
             sample_index=sample.index,
             engine_request_id=sample.engine_request_id,
             prompt_logprobs=message.prompt_logprobs,
+        )
+
+    def _failed(self, sample: _Sample, message: GeneratedTokens) -> StreamUpdate:
+        """An error event ends the whole request: every sample still running is to be cancelled."""
+        sample.finished = self.finished = True
+        return StreamUpdate(
+            sample.next_index,
+            (),
+            sample.text,
+            "",
+            finish_reason=FinishReason.ERROR,
+            error=message.error,
+            error_kind=message.error_kind or ErrorKind.INTERNAL,
+            sample_index=sample.index,
+            engine_request_id=sample.engine_request_id,
+            cancel=self.live_engine_request_ids(),
+        )
+
+    def _finish(self, sample: _Sample) -> Usage | None:
+        """A sample finished; -> the request's usage when it was the last one."""
+        sample.finished = True
+        if not all(s.finished for s in self.samples):
+            return None
+        self.finished = True
+        return Usage(
+            prompt_tokens=len(self.request.prompt_token_ids),
+            completion_tokens=self.num_output_tokens,
+            cached_tokens=self.num_cached_tokens,
         )
 
 
@@ -265,9 +272,9 @@ class FrontEnd:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        # The model's own limit (its max_position_embeddings). An executor may serve less, which
-        # the scheduler refuses; a prompt over this could never run anywhere, and an absurdly
-        # long one must not travel further (a record over the broker's size limit).
+        # The limit set (`resolve_max_model_len`). An executor may serve less, which the scheduler
+        # refuses; a prompt over this could never run anywhere, and an absurdly long one must not
+        # travel further (a record over the broker's size limit).
         self.max_model_len = max_model_len
         self.trust_request_chat_template = trust_request_chat_template
         self._last_arrival = 0.0
@@ -279,12 +286,11 @@ class FrontEnd:
         check_model_folder(options.model, weights=False, tokenizer=False)  # load_tokenizer checks its own
         config = ModelConfig.from_pretrained(options.model)
         tokenizer = None if skip_tokenizer_init else load_tokenizer(options.tokenizer or options.model)
-        limit = config.max_position_embeddings
         return cls(
             tokenizer,
             vocab_size=config.vocab_size,
             eos_token_ids=config.eos_token_ids,
-            max_model_len=min(options.max_model_len or limit, limit),
+            max_model_len=resolve_max_model_len(config.max_position_embeddings, options.max_model_len),
             trust_request_chat_template=options.trust_request_chat_template,
         )
 
@@ -313,7 +319,7 @@ class FrontEnd:
         )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        params = self._resolve_words(params)
+        params = prompts.resolve_bad_words(self.tokenizer, params)
         params.vocab_checks(self.vocab_size)
         arrival_time = self._arrival_time()
         requests = [
@@ -336,21 +342,6 @@ class FrontEnd:
         ]
         stream = RequestStream(request_id, requests, prompt, detokenizers)
         return requests[0], stream
-
-    def _resolve_words(self, params: SamplingParams) -> SamplingParams:
-        """`bad_words` as token id sequences (vLLM's rule: each word alone and after a space,
-        since a word mid-text is usually tokenized with its leading space)."""
-        if not params.bad_words:
-            return params
-        if self.tokenizer is None:
-            raise ValueError("bad_words need a tokenizer; pass bad_words_token_ids instead")
-        sequences = list(params.bad_words_token_ids)
-        for word in params.bad_words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return msgspec.structs.replace(params, bad_words_token_ids=tuple(sequences))
 
     def make_request_from(self, message: GenerateRequest) -> tuple[EngineRequest, RequestStream]:
         """`make_request` for a request from the requests topic, with the checks of what a client

@@ -45,11 +45,12 @@ def run_with_gateway(
         try:
             async with running_pipeline(bus, STORIES, prefix=prefix, **{**ENGINE, **kw}) as pipeline:
                 pipeline.prefix = prefix  # for a test that reads the topics
+                pipeline.gateway = GatewayHandler.from_options(options)  # for one that looks inside
                 gateway = asyncio.create_task(
                     serve(
                         bootstrap,
                         prefix,
-                        GatewayHandler.from_options(options),
+                        pipeline.gateway,
                         options,
                         api_key=api_key,
                         stop=stop,
@@ -244,13 +245,13 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(module_broker):
             held = kv.num_blocks - kv.num_free_blocks
         # Leaving the block closed the connection after the first chunk.
         await wait_idle(pipeline)
-        streamed = kv.num_blocks - kv.num_free_blocks, len(pipeline.scheduler.finished)
+        streamed = kv.num_blocks - kv.num_free_blocks, len(pipeline.scheduler.live.finished)
         # Not streaming: the client gives up waiting for the whole answer.
         async with httpx.AsyncClient(timeout=0.3) as http:
             with pytest.raises(httpx.ReadTimeout):
                 await http.post(f"{url}/completions", json={**request, "stream": False, "max_tokens": 500})
         await wait_idle(pipeline)
-        after = kv.num_blocks - kv.num_free_blocks, len(pipeline.scheduler.finished)
+        after = kv.num_blocks - kv.num_free_blocks, len(pipeline.scheduler.live.finished)
         return held, streamed, after, await final_events(module_broker, f"{pipeline.prefix}generated")
 
     held, streamed, after, finals = run_with_gateway(module_broker, body, max_model_len=512)
@@ -331,3 +332,69 @@ def test_n_samples_salts_and_chat_options_over_http(module_broker):
     assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (prompt_tokens, 32)
     assert salted[0] == 0 and salted[1] > 0 and salted[2] == 0
     assert chat.choices[0].message.content
+
+
+class _CountingTokenizer:
+    """A tokenizer that counts the calls that turn text into tokens (decoding is not counted)."""
+
+    TOKENIZING = ("encode", "encode_plus", "batch_encode_plus", "tokenize", "apply_chat_template")
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        value = getattr(self.tokenizer, name)
+        if name not in self.TOKENIZING:
+            return value
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return value(*args, **kwargs)
+
+        return counted
+
+
+def test_a_prompt_through_the_gateway_is_tokenized_once(module_broker):
+    """The gateway tokenizes (and checks) each prompt, a chat rendered first, and the bad words:
+    they travel as token ids, and the tokenizer service tokenizes nothing. The text is the
+    in-process engine's all the same."""
+    params = SamplingParams(temperature=0, max_tokens=12, bad_words=["little"])
+    llm = LLM(STORIES, dtype="float32", **ENGINE)
+    expected = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    (expected_chat,) = llm.chat(
+        [{"role": "user", "content": "Tom"}], SamplingParams(temperature=0, max_tokens=4)
+    )
+
+    async def body(pipeline, base_url):
+        gateway = pipeline.gateway.tokenizer = _CountingTokenizer(pipeline.gateway.tokenizer)
+        frontend = pipeline.tokenizer.frontend
+        service = frontend.tokenizer = _CountingTokenizer(frontend.tokenizer)
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="none")
+        counts, texts = [], []
+        for prompt in PROMPTS[:2]:
+            before = gateway.calls
+            completion = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"bad_words": ["little"]}
+            )
+            counts.append(gateway.calls - before)
+            texts.append(completion.choices[0].text)
+        before = gateway.calls
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tom"}], max_tokens=4, temperature=0
+        )
+        counts.append(gateway.calls - before)
+        await wait_idle(pipeline)
+        return counts, service.calls, texts, chat
+
+    counts, service_calls, texts, chat = run_with_gateway(module_broker, body)
+    # One call for the prompt and two for the bad word (alone and after a space); a chat's
+    # template rendered, then its text encoded. The tokenizer service: none at all.
+    assert counts == [3, 3, 2] and service_calls == 0
+    assert texts == [o.outputs[0].text for o in expected]
+    assert chat.choices[0].message.content == expected_chat.outputs[0].text
+    assert chat.usage.prompt_tokens == len(expected_chat.prompt_token_ids)

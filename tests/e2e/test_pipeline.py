@@ -22,7 +22,7 @@ from pipeline import running_pipeline, wait_idle
 from stack import TANSU_NOT_LEADER
 
 from parkade import LLM, SamplingParams
-from parkade.client import Client, _Stream
+from parkade.client import Client
 from parkade.schemas import topics
 from parkade.services.bus.kafka import KafkaBus
 
@@ -145,7 +145,7 @@ def test_bad_records_get_an_error_event_or_a_dead_letter_and_disturb_nothing(boo
                 "sampling_params": {"temperature": -1},
             }
             # Listen for the error event of a raw record (sent without a trace context).
-            client._streams["bad-temp"] = _Stream(traceparent=b"")
+            client.expect("bad-temp")
             await bus.send(requests_topic, msgspec.msgpack.encode(invalid))
             errors = [e async for e in client.stream("bad-temp")]
             letters = []
@@ -341,7 +341,7 @@ def test_fuzzed_input_topics_leave_every_service_up_and_every_good_stream_exact(
             rng.shuffle(fuzz)
             refused = ("neg", "ids", "big", "unknown-tag", "wrong-type")
             for rid in (*refused, "dup"):
-                client._streams[rid] = _Stream(traceparent=b"")  # listen for raw records' answers
+                client.expect(rid)  # listen for raw records' answers
             good = [asyncio.create_task(_collect(client, p, params)) for p in OPENINGS[:4]]
             live = asyncio.create_task(_collect(client, "Tim had a ball", params))
             await asyncio.sleep(0.2)
@@ -357,7 +357,9 @@ def test_fuzzed_input_topics_leave_every_service_up_and_every_good_stream_exact(
             dup_events = [e async for e in client.stream("dup", timeout_s=60)]
             texts = ["".join(e.text for e in await task) for task in good]
             await live
-            assert "e-big" in pipeline.scheduler.finished  # refused there: its token is not in the vocabulary
+            assert (
+                "e-big" in pipeline.scheduler.live.finished
+            )  # refused there: its token is not in the vocabulary
             after = await _collect(client, "One day, a girl", params)  # still serving
             dead = await bus.consumer([name(topics.DEAD_LETTER)], None, start={name(topics.DEAD_LETTER): 0})
             letters = []

@@ -120,3 +120,15 @@ def test_nothing_in_the_repository_reaches_outside_it():
         if any(p in text for p in patterns):
             hits.append(name)
     assert not hits, f"files that refer to a folder outside the repository: {hits}"
+
+
+def test_no_function_in_the_services_is_over_60_lines():
+    """A function fits on a screen; one that grows is split into parts with one job each."""
+    long = []
+    for path in modules("services"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > 60:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
+    assert not long, "\n".join(long)
