@@ -1,11 +1,12 @@
 # The two commands of the README. Each sets up .venv by itself on a fresh machine.
 #   make demo   run Parkade on its default model and stream a completion
 #   make test   run the test suite (what .ci/run calls)
+# And while working: make test-fast (lint, format, the pure-logic tier: well under a minute).
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench
+.PHONY: demo test test-fast lint bench
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -20,13 +21,23 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	VENV=$(VENV) bash scripts/demo.sh
 
-# The README's kcat lines are run by a test: Debian's kcat, installed here when we may (root, apt).
-test: $(STAMP)
-	command -v kcat >/dev/null || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
-	  { apt-get install -y -qq kcat >/dev/null || { apt-get update -qq && apt-get install -y -qq kcat >/dev/null; }; }; } || \
-	  echo "kcat is not installed (apt-get install kcat): its test will fail"
+lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Tools that tests run: the README's kcat lines (Debian's kcat) and `docker-compose config` on the
+# compose files, installed here when we may (root, apt).
+test: lint
+	for tool in kcat docker-compose; do \
+	  command -v $$tool >/dev/null || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
+	    { apt-get install -y -qq $$tool >/dev/null || { apt-get update -qq && apt-get install -y -qq $$tool >/dev/null; }; }; } || \
+	    echo "$$tool is not installed (apt-get install $$tool): its test will fail or skip"; \
+	done
 	$(VENV)/bin/pytest -q
+
+# tests/unit: pure logic in this process (no broker, no service process, no wheel).
+test-fast: lint
+	$(VENV)/bin/pytest -q tests/unit
 
 bench: $(STAMP)
 	$(VENV)/bin/python loadtest/offline_bench.py

@@ -56,6 +56,11 @@ class LLM:
         )
         self._counter = itertools.count()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block, as vLLM's (benchmarks call it between runs). False,
+        changing nothing, while a request holds blocks."""
+        return self.engine.core.scheduler.reset_prefix_cache()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -40,8 +40,8 @@ def _make_visible() -> None:
 class StatLogger:
     """Counts one interval's tokens and logs a line when it is over.
 
-    `scheduler` is read, never changed: its `stats()` and its KV manager's prefix counters (a
-    fake in tests). `clock` is `time.monotonic` unless given."""
+    `scheduler` is read, never changed: its `stats()` (a fake in tests). `clock` is
+    `time.monotonic` unless given."""
 
     def __init__(
         self,
@@ -58,8 +58,8 @@ class StatLogger:
         _make_visible()
 
     def _prompt_tokens_computed(self) -> int:
-        kv = self.scheduler.kv
-        return kv.num_prefix_queries - kv.num_prefix_hits
+        stats = self.scheduler.stats()
+        return stats.num_prefix_queries - stats.num_prefix_hits
 
     def record(self, events: Sequence[GeneratedTokens]) -> None:
         """Count one step's sampled tokens; log a line if the interval is over."""
@@ -74,12 +74,11 @@ class StatLogger:
         """The stats line of the interval so far, `seconds` long."""
         s = self.scheduler.stats()
         seconds = max(seconds, 1e-9)
-        prompt_tokens = self._prompt_tokens_computed() - self.computed_at_start
-        total_blocks = s.num_used_blocks + s.num_free_blocks
-        usage = s.num_used_blocks / total_blocks if total_blocks else 0.0
+        prompt_tokens = s.num_prefix_queries - s.num_prefix_hits - self.computed_at_start
         return (
             f"Avg prompt throughput: {prompt_tokens / seconds:.1f} tokens/s, "
             f"Avg generation throughput: {self.generation_tokens / seconds:.1f} tokens/s, "
             f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
-            f"KV cache usage: {100 * usage:.1f}%, Prefix cache hit rate: {100 * s.prefix_cache_hit_rate:.1f}%"
+            f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
+            f"Prefix cache hit rate: {100 * s.prefix_cache_hit_rate:.1f}%"
         )

@@ -51,6 +51,8 @@ class SchedulerStats:
     num_allocated_slots: int  # used blocks * block_size
     num_preemptions: int
     prefix_cache_hit_rate: float
+    num_prefix_queries: int = 0  # prompt tokens looked up in the prefix cache at admissions
+    num_prefix_hits: int = 0  # of them, found
 
     @property
     def kv_cache_usage(self) -> float:
@@ -504,6 +506,8 @@ class Scheduler:
             num_allocated_slots=pool.num_used_blocks * self.config.block_size,
             num_preemptions=self.num_preemptions,
             prefix_cache_hit_rate=self.kv.num_prefix_hits / queries if queries else 0.0,
+            num_prefix_queries=queries,
+            num_prefix_hits=self.kv.num_prefix_hits,
         )
 
     def check_integrity(self) -> None:

@@ -206,3 +206,14 @@ def test_generate_shows_vllms_progress_bar_when_asked(llm, capsys):
 
     llm.generate(prompts, params, use_tqdm=my_tqdm)
     assert made == [3]
+
+
+def test_reset_prefix_cache_forgets_the_cached_blocks(llm):
+    prompt = "Once upon a time there was a little girl named Lily. " * 2
+    params = SamplingParams(temperature=0, max_tokens=4)
+    first, again = (llm.generate(prompt, params, use_tqdm=False)[0] for _ in range(2))
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert llm.reset_prefix_cache()
+    after = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert after.num_cached_tokens == 0 and after.outputs[0].text == first.outputs[0].text
+    llm.engine.core.scheduler.check_integrity()

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import ast
 import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 from parkade.services import SERVICES
 
@@ -93,16 +90,6 @@ def test_the_scheduler_core_imports_no_torch_and_no_kafka():
         if under(m, ("torch", "aiokafka", "numpy", "parkade.kernels"))
     ]
     assert not wrong, "\n".join(wrong)
-
-
-@pytest.mark.parametrize(
-    "module", ["parkade.services.scheduler.main", "parkade.cli", "parkade.up", "parkade.client"]
-)
-def test_the_scheduler_and_the_command_line_start_without_torch(module):
-    code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-P", "-c", code], timeout=120).returncode == 0, (
-        f"{module} imports torch"
-    )
 
 
 def test_nothing_in_the_repository_reaches_outside_it():

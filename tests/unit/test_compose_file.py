@@ -5,8 +5,6 @@ Compose v2 is installed, it must also accept the files."""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -135,31 +133,3 @@ def test_the_dockerfile_builds_cpu_torch_by_default_and_runs_as_a_user():
     assert "ARG TORCH_VARIANT=cpu" in dockerfile
     user = re.findall(r"^USER (\S+)", dockerfile, re.M)
     assert user and user[-1] not in ("root", "0")
-
-
-def compose_commands() -> list[list[str]]:
-    commands = []
-    if shutil.which("docker-compose"):
-        commands.append(["docker-compose"])
-    if shutil.which("docker"):
-        version = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
-        if version.returncode == 0:
-            commands.append(["docker", "compose"])
-    return commands
-
-
-@pytest.mark.parametrize(
-    "files", [["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"]], ids=["cpu", "gpu"]
-)
-def test_docker_compose_accepts_the_files(files):
-    commands = compose_commands()
-    if not commands:
-        pytest.skip(
-            "neither docker-compose nor `docker compose` is installed: the YAML checks above still ran"
-        )
-    for command in commands:
-        arguments = [*command, "--project-directory", str(ROOT)]
-        for name in files:
-            arguments += ["-f", str(ROOT / name)]
-        done = subprocess.run([*arguments, "config", "-q"], capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, f"{' '.join(command)} config: {done.stderr}"

@@ -227,18 +227,18 @@ def test_the_tokenizer_never_runs_code_from_the_folder(monkeypatch):
 
 # ---- the stats line ----------------------------------------------------------------------------
 def test_the_stat_logger_writes_one_line_per_interval(caplog):
-    kv = SimpleNamespace(num_prefix_queries=0, num_prefix_hits=0)
+    prefix = SimpleNamespace(queries=0, hits=0)
     now = [100.0]
     scheduler = SimpleNamespace(
-        kv=kv,
         stats=lambda: SchedulerStats(
             num_running=3, num_waiting=2, num_used_blocks=25, num_free_blocks=75, num_live_tokens=0,
             num_allocated_slots=0, num_preemptions=0, prefix_cache_hit_rate=0.25,
+            num_prefix_queries=prefix.queries, num_prefix_hits=prefix.hits,
         ),
     )  # fmt: skip
     caplog.set_level(logging.INFO, logger=STATS_LOGGER)
     logger = StatLogger(scheduler, interval_s=10.0, clock=lambda: now[0])
-    kv.num_prefix_queries, kv.num_prefix_hits = 400, 100  # 300 prompt tokens to compute
+    prefix.queries, prefix.hits = 400, 100  # 300 prompt tokens to compute
     now[0] = 105.0
     logger.record([GeneratedTokens(request_id="a", index=0, token_ids=(1,))])
     assert stats_lines(caplog) == []  # the interval is not over

@@ -94,7 +94,10 @@ def test_the_handler_refuses_what_cannot_run_and_names_choices(handler):
     assert [c.num_prompt_tokens for c in opened.choices] == tokens
     assert [s["request_id"] for s in opened.submits] == [f"{opened.answer.id}-0", f"{opened.answer.id}-1"]
     chat = handler.open(True, body(messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]))
-    assert chat.submits[0]["messages"] == [{"role": "user", "content": "Hi"}]
+    # Text parts joined, rendered by the template, tokenized here: the ids travel, not the chat.
+    rendered = handler.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+    assert chat.submits[0]["prompt_token_ids"] == handler.tokenizer.encode(rendered, add_special_tokens=False)
+    assert "messages" not in chat.submits[0] and chat.submits[0]["prompt"] is None
     assert chat.answer.id.startswith("chatcmpl-") and opened.answer.id.startswith("cmpl-")
 
 
@@ -165,6 +168,9 @@ def test_samples_are_choices_and_requests_templates_need_trust(handler):
         handler.open(True, chat)
     assert error.value.param == "chat_template"
     trusting = GatewayHandler.from_options(GatewayOptions(trust_request_chat_template=True))
-    assert trusting.open(True, chat).submits[0]["chat"].chat_template == template
+    # The request's template rendered the chat: "Hi" alone, with no BOS.
+    assert trusting.open(True, chat).submits[0]["prompt_token_ids"] == handler.tokenizer.encode(
+        "Hi", add_special_tokens=False
+    )
     cut = handler.open(False, body(prompt="Once upon a time", truncate_prompt_tokens=-1))
     assert cut.submits[0]["sampling_params"].truncate_prompt_tokens == 512  # its limit, as a number

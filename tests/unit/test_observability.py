@@ -103,20 +103,6 @@ def test_kafka_connection_settings_for_a_managed_cluster():
         security.client_settings({"KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "KAFKA_SASL_MECHANISM": "GSSAPI"})
 
 
-def test_a_service_with_settings_that_cannot_work_says_so_in_one_line():
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}
-    service = [sys.executable, "-P", "-m", "parkade.cli", "scheduler", "--bootstrap-servers", "127.0.0.1:1"]
-    result = subprocess.run(service, env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert result.stderr == (
-        "parkade scheduler: SASL_SSL needs KAFKA_SASL_USERNAME and KAFKA_SASL_PASSWORD\n"
-    )
-
-
 def test_the_settings_reach_every_aiokafka_client_the_bus_makes(monkeypatch):
     from aiokafka import AIOKafkaProducer
 

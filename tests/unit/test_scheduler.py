@@ -335,3 +335,50 @@ def test_a_full_waiting_queue_refuses_new_requests_at_once():
     s.add(req("fourth", 1))
     s.check_integrity()  # the queue's token count follows adds, removals and admissions
     assert s.waiting.num_tokens == 11
+
+
+# ---- what the scheduler service asks of the core after a failed step or a new executor -------
+
+
+def test_recompute_all_queues_every_running_request_again_on_an_empty_prefix_cache():
+    s = sched()
+    for request_id, first in (("a", 0), ("b", 40)):
+        s.add(req(request_id, 8, first=first))
+    plan = s.schedule()
+    s.update(plan, sample(plan, {"a": 20, "b": 21}))
+    kv = s.kv
+    assert kv.pool.num_cached_blocks == 4 and not s.reset_prefix_cache()  # in use: refused
+    s.recompute_all()
+    assert s.kv is kv and kv.num_prefix_queries == 16  # the same manager: its counters go on
+    assert not s.running and [r.request_id for r in s.waiting] == ["a", "b"]
+    assert kv.pool.num_cached_blocks == 0 and kv.num_free_blocks == 16
+    plan = s.schedule()
+    # Recomputed from prompt + outputs with no prefix hit; the executor, which dropped its state,
+    # hears of no finished or preempted request.
+    assert [(n.request_id, n.num_computed_tokens, n.token_ids[-1]) for n in plan.new_requests] == [
+        ("a", 0, 20),
+        ("b", 0, 21),
+    ]
+    assert plan.finished_request_ids == () and plan.preempted_request_ids == ()
+    s.check_integrity()
+
+
+def test_a_request_to_isolate_gets_a_step_of_its_own_ahead_of_the_queue():
+    s = sched()
+    for request_id, first in (("a", 0), ("b", 10), ("c", 20)):
+        s.add(req(request_id, 6, first=first))
+    plan = s.schedule(isolate={"b", "x"})  # the first of them waiting: b, though a is at the head
+    assert plan.num_scheduled_tokens == {"b": 6}
+    plan = s.schedule(isolate={"b"})  # b runs now: nothing to isolate, the usual step
+    assert set(plan.num_scheduled_tokens) == {"a", "b", "c"}
+    s.check_integrity()
+
+
+def test_a_request_to_isolate_that_does_not_fit_lets_the_usual_step_run():
+    s = sched(num_blocks=4)
+    s.add(req("a", 12, max_tokens=2))  # three of the four blocks
+    s.schedule()
+    s.add(req("big", 8, first=30))  # two blocks: no room while a runs
+    plan = s.schedule(isolate={"big"})
+    assert plan.num_scheduled_tokens == {"a": 1}
+    s.check_integrity()
