@@ -30,6 +30,7 @@ from parkade.schemas.steps import (
     PromptLogprobs,
     StepPlan,
     StepResult,
+    failed_step,
 )
 from parkade.schemas.topics import SCHEMA_VERSION
 
@@ -59,5 +60,6 @@ __all__ = [
     "TokenLogprobs",
     "TokenizerAnnouncement",
     "Usage",
+    "failed_step",
     "sample_request_id",
 ]

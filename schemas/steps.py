@@ -101,6 +101,18 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, tag="step_result"):
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()  # of requests with prompt_logprobs set
 
 
+def failed_step(step: StepPlan | StepResult, error: str) -> StepResult:
+    """The answer to a step that did not run (it raised, or its plan or result could not be
+    sent): nothing sampled, `error` saying why, addressed as `step` is."""
+    return StepResult(
+        step_id=step.step_id,
+        executor_id=step.executor_id,
+        scheduler_id=step.scheduler_id,
+        epoch=step.epoch,
+        error=error[:2000],
+    )
+
+
 class ExecutorAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="executor_announcement"):
     """An executor's capacity, sent at start and then as a heartbeat on the step-results topic.
 

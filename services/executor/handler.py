@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from parkade.schemas import ExecutorAnnouncement, StepPlan, StepResult, topics
+from parkade.schemas import ExecutorAnnouncement, StepPlan, StepResult, failed_step, topics
 from parkade.services.bus.base import Outgoing, Record
 from parkade.services.bus.serve import Service
 from parkade.services.common import tracing
@@ -153,10 +153,4 @@ class ExecutorHandler(Service):
             self.metrics.failed_steps.inc()
         self._reset()
         self.epoch, self.last_step_id = step.epoch + 1, 0
-        return StepResult(
-            step_id=step.step_id,
-            executor_id=self.executor_id,
-            scheduler_id=step.scheduler_id,
-            epoch=step.epoch,
-            error=f"{type(error).__name__}: {error}"[:2000],
-        )
+        return failed_step(step, f"{type(error).__name__}: {error}")

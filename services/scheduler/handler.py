@@ -49,6 +49,7 @@ from parkade.schemas import (
     SchedulerAnnouncement,
     StepPlan,
     StepResult,
+    failed_step,
     topics,
 )
 from parkade.services.bus.base import Headers, Outgoing, Record
@@ -122,8 +123,10 @@ class SchedulerHandler(Service):
         return self.metrics
 
     def gauges(self) -> Gauges:
+        """Read from the metrics server's thread: a snapshot of the records (copied at once under
+        the GIL), never an iteration the event loop could change under it."""
         stats = self.scheduler.stats() if self.scheduler is not None else None
-        pending = sum(1 for record in self.live.values() if self._is_pending(record))
+        pending = sum(1 for record in list(self.live.values()) if self._is_pending(record))
         return Gauges(
             num_running=stats.num_running if stats else 0,
             num_waiting=(stats.num_waiting if stats else 0) + pending,
@@ -309,13 +312,7 @@ class SchedulerHandler(Service):
         if isinstance(message, StepPlan):
             if not self.link.in_flight_now(message):
                 return []
-            failed = StepResult(
-                step_id=message.step_id,
-                executor_id=message.executor_id,
-                scheduler_id=message.scheduler_id,
-                epoch=message.epoch,
-                error=f"the step plan could not be sent: {error}",
-            )
+            failed = failed_step(message, f"the step plan could not be sent: {error}")
             return self._on_failed_step(message, failed)
         if isinstance(message, GeneratedBatch) and len(message.events) > 1:
             # Each event again, alone; its bookkeeping (spans, metrics, records) was done once.

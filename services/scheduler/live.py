@@ -13,7 +13,7 @@ its events read back by `recover`) to its final event; ending it is one removal
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, ValuesView
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,18 @@ class LiveRequests(Mapping[str, LiveRequest]):
 
     def __len__(self) -> int:
         return len(self._records)
+
+    # NOTE: the dict's own methods rather than Mapping's mixins, which are Python loops: `get`
+    # runs for every event written, and `list(live.values())` copies at once under the GIL (the
+    # metrics server's thread reads it while the event loop changes the records).
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._records
+
+    def get(self, request_id: str, default: None = None) -> LiveRequest | None:  # type: ignore[override]
+        return self._records.get(request_id, default)
+
+    def values(self) -> ValuesView[LiveRequest]:
+        return self._records.values()
 
     def open(self, request_id: str) -> LiveRequest:
         """A new record; its events will be written after what was acknowledged so far."""
