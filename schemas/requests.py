@@ -15,10 +15,8 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
-    """Generate a completion from `prompt` text, `prompt_token_ids` or `messages` (a chat,
-    rendered by the model's chat template): exactly one of them, except that `prompt` may come
-    with `prompt_token_ids` as the text they were made from (kept for logs and outputs, never
-    tokenized again: a client that tokenized the prompt, the gateway, sends both).
+    """Generate a completion. Exactly one of `prompt`, `prompt_token_ids` and `messages` (a chat,
+    rendered by the model's chat template) is set.
 
     Lower `priority` values are served first under the priority scheduling policy (vLLM's rule).
     """
@@ -43,11 +41,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
         if not self.request_id:
             raise ValueError("request_id must be a non-empty string")
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
-        if sum(given) != 1 and given != [True, True, False]:
-            raise ValueError(
-                "exactly one of prompt, prompt_token_ids and messages must be set (or prompt with the "
-                "prompt_token_ids made from it)"
-            )
+        if sum(given) != 1:
+            raise ValueError("exactly one of prompt, prompt_token_ids and messages must be set")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must be non-empty")
         if self.messages is not None and not self.messages:

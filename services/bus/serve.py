@@ -94,7 +94,7 @@ async def queue_all(bus: Bus, outgoing: list[Outgoing], prefix: str) -> Awaitabl
 
 
 class Service:
-    """A service as `serve` runs it: the topics it consumes, and the methods `serve` calls around
+    """A service as `serve` runs it: the topics it `consumes`, and the methods `serve` calls around
     them (declared handlers, as FastStream's subscribers). Each service's handler subclasses it
     and overrides what applies; its `main.py` adds the I/O (`start`, `stop`, an async
     `on_record`). The defaults do nothing, or dead-letter.
@@ -102,7 +102,7 @@ class Service:
     Commit policy and send order are `serve`'s, the same for every service (see the module)."""
 
     group_id: str  # the consumer group, and the name of the progress group (`progress`)
-    topics: tuple[str, ...] = ()  # consumed, unprefixed
+    consumes: tuple[str, ...] = ()  # its topics, unprefixed
     poll_ms = 50
     # Send what each record produced before handling the next one, rather than once per poll:
     # for a slow handler whose output someone waits for (the executor: a poll may bring plans N
@@ -122,7 +122,7 @@ class Service:
         """After the last poll, whether the loop ended cleanly or not."""
 
     def on_record(self, message: Any, record: Record) -> list[Outgoing] | Awaitable[list[Outgoing]]:
-        """A decoded record of one of `topics`; -> what it produces."""
+        """A decoded record of one of the topics it consumes; -> what it produces."""
         raise NotImplementedError
 
     def on_bad_record(self, record: Record, error: Exception) -> list[Outgoing]:
@@ -160,7 +160,7 @@ async def serve(
     ready: Callable[[], None] | None = None,
     commit_interval_s: float = COMMIT_INTERVAL_S,
 ) -> None:
-    """Run `service` on its topics (prefixed with `prefix`) until `stop` is set.
+    """Run `service` on the topics it consumes (prefixed with `prefix`) until `stop` is set.
 
     Each record is decoded with its topic's typed decoder and passed to `service.on_record`.
     Outputs are queued without waiting for the broker: only the next queueing waits for the
@@ -175,7 +175,7 @@ async def serve(
     """
     await service.start(bus, prefix)
     try:
-        decoders = {topics.topic_name(t, prefix): topics.TopicDecoder(t) for t in service.topics}
+        decoders = {topics.topic_name(t, prefix): topics.TopicDecoder(t) for t in service.consumes}
         consumer = await bus.consumer(list(decoders), service.group_id)
         try:
             if ready is not None:

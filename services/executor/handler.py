@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 class ExecutorHandler(Service):
     group_id = "parkade-executor"
-    topics = (topics.STEP_PLANS,)
+    consumes = (topics.STEP_PLANS,)
     poll_ms = 10
     send_each = True  # result N goes out before step N+1 runs
 

@@ -152,9 +152,10 @@ class GatewayHandler:
             token_ids = self._prompt_token_ids(request, prompt, "messages" if chat else "prompt")
             submits.append(
                 {
-                    # Tokenized here, once: the tokenizer service takes the ids as they are.
+                    # Tokenized here, once: the tokenizer service takes the ids as they are (the
+                    # text does not travel too: nothing past here reads it, and it would double
+                    # the record's size against the broker's limit).
                     "prompt_token_ids": token_ids,
-                    "prompt": prompt.text,  # kept beside them for the logs (None for ids, chats)
                     "sampling_params": params,
                     "priority": request.priority,
                     "cache_salt": request.cache_salt,

@@ -83,7 +83,7 @@ _WAIT_CHECK_S = 0.5
 
 class SchedulerHandler(Service):
     group_id = "parkade-scheduler"
-    topics = (topics.TOKENIZED, topics.STEP_RESULTS)
+    consumes = (topics.TOKENIZED, topics.STEP_RESULTS)
     poll_ms = 10
 
     def __init__(
@@ -123,13 +123,14 @@ class SchedulerHandler(Service):
         return self.metrics
 
     def gauges(self) -> Gauges:
-        """Read from the metrics server's thread: a snapshot of the records (copied at once under
-        the GIL), never an iteration the event loop could change under it."""
-        stats = self.scheduler.stats() if self.scheduler is not None else None
-        pending = sum(1 for record in list(self.live.values()) if self._is_pending(record))
+        """Read from the metrics server's thread: the scheduler once, the pending count by its
+        length, no iteration over a dict the event loop changes (`stats()` sums over the running
+        list: at worst a gauge a step off, never an error)."""
+        scheduler = self.scheduler
+        stats = scheduler.stats() if scheduler is not None else None
         return Gauges(
             num_running=stats.num_running if stats else 0,
-            num_waiting=(stats.num_waiting if stats else 0) + pending,
+            num_waiting=(stats.num_waiting if stats else 0) + len(self.live.pending),
             kv_cache_usage=stats.kv_cache_usage if stats else 0.0,
         )
 
@@ -190,10 +191,11 @@ class SchedulerHandler(Service):
         if self.link.serving:
             return self._admit(record)
         # A request recovered from the log was admitted before the restart: never refused.
-        num_pending = sum(1 for r in self.live.values() if self._is_pending(r)) - 1
+        num_pending = len(self.live.pending)
         if num_pending >= self.options.max_waiting_requests and record.outputs is None:
             error = f"overloaded: {num_pending} requests wait for an executor"
             return self._end_with_error(record, error, ErrorKind.OVERLOADED)
+        self.live.wait(record)
         record.waiting_since = self.clock()
         return []
 
@@ -202,7 +204,7 @@ class SchedulerHandler(Service):
         record = self.live.get(message.request_id)
         if record is None or record.request is None:
             return []
-        if self._is_pending(record):  # never reached the core
+        if record.request_id in self.live.pending:  # never reached the core
             return [
                 self._final_event(
                     record.request_id,
@@ -215,12 +217,6 @@ class SchedulerHandler(Service):
         assert self.scheduler is not None
         event = self.scheduler.finish_request(message.request_id, message.reason, message.stop_reason)
         return [self._generated(event)] if event is not None else []
-
-    def _is_pending(self, record: LiveRequest) -> bool:
-        """Read, and not in the core yet: it waits for an executor."""
-        return record.request is not None and (
-            self.scheduler is None or record.request_id not in self.scheduler.requests
-        )
 
     def _admit(self, record: LiveRequest) -> list[Outgoing]:
         """Hand a read request to the core (an executor serves)."""
@@ -239,6 +235,7 @@ class SchedulerHandler(Service):
         except ValueError as error:
             return self._end_with_error(record, str(error), ErrorKind.INVALID_REQUEST)
         record.outputs, record.waiting_since = None, None
+        self.live.admitted(record)
         if self.metrics is not None:
             self.metrics.arrived(record, request)
         return []
@@ -273,7 +270,7 @@ class SchedulerHandler(Service):
                 self.scheduler = None
         if self.scheduler is None:
             self._build_scheduler(geometry, announcement.executor_id)
-        for record in [r for r in self.live.values() if self._is_pending(r)]:
+        for record in list(self.live.pending.values()):  # in the order they were read
             out += self._admit(record)
         return out
 
@@ -351,8 +348,8 @@ class SchedulerHandler(Service):
             self.scheduler.recompute_all()
 
     def next_plans(self) -> list[Outgoing]:
-        """The executor's liveness, then step plans until `max_in_flight` are out; the block
-        manager checks itself when idle."""
+        """The executor's liveness, then step plans until `max_in_flight` are out; when an
+        executor serves and nothing is in flight, the integrity checks."""
         out = self._check_executor()
         if self.scheduler is None:
             return out
@@ -365,7 +362,7 @@ class SchedulerHandler(Service):
             if self.metrics is not None:
                 self.metrics.planned(plan, self.live)
             out.append(Outgoing(topics.STEP_PLANS, plan))
-        if not self.link.in_flight:
+        if self.link.serving and not self.link.in_flight:
             self.check_integrity()
         return out
 
@@ -374,10 +371,12 @@ class SchedulerHandler(Service):
         return self.next_plans()
 
     def check_integrity(self) -> None:
-        """The core's invariants, and: every request the core holds has its live record."""
+        """The core's invariants, and: every request the core holds has its live record, and
+        while an executor serves, none waits for one."""
         assert self.scheduler is not None
         self.scheduler.check_integrity()
         assert self.scheduler.requests.keys() <= self.live.keys()
+        assert not self.live.pending or not self.link.serving
 
     def _isolated(self) -> frozenset[str]:
         """The suspects still to run a step of their own (scanned only after a failure)."""

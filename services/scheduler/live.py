@@ -34,8 +34,9 @@ class LiveRequest:
     request: EngineRequest | None = None
     headers: Headers = ()  # its trace context, passed on with every record about it
     source: int | None = None  # its record's offset on the tokenized topic (None: not from the log)
-    # The tokens it generated before a restart (read back by `recover`), until the core resumes
-    # it with them; None when there are none to resume.
+    # The tokens it generated before a restart (read back by `recover`; [] when its history was
+    # cut), until the core resumes it with them. None: not a recovered request. A recovered one
+    # was admitted before the restart, so it is never refused as overloaded.
     outputs: list[int] | None = None
     # Since when it has waited without an executor to run it (None: an executor serves it).
     waiting_since: float | None = None
@@ -65,6 +66,9 @@ class LiveRequests(Mapping[str, LiveRequest]):
 
     def __init__(self) -> None:
         self._records: dict[str, LiveRequest] = {}
+        # An index of the records read while no executor served, in the order they were read,
+        # until the core takes them (`admitted`) or they end.
+        self.pending: dict[str, LiveRequest] = {}
         self.finished = RecentIds()  # ended requests, with their record's offset: redeliveries
         self.generated_end = 0  # the offset after the last generated record acknowledged
 
@@ -94,9 +98,19 @@ class LiveRequests(Mapping[str, LiveRequest]):
         record = self._records[request_id] = LiveRequest(request_id, generated_start=self.generated_end)
         return record
 
+    def wait(self, record: LiveRequest) -> None:
+        """A read request waits for an executor (none serves)."""
+        self.pending[record.request_id] = record
+
+    def admitted(self, record: LiveRequest) -> None:
+        """The core took it."""
+        self.pending.pop(record.request_id, None)
+
     def end(self, record: LiveRequest) -> None:
-        """Its final event is written: the one removal, and its id remembered with its source."""
+        """Its final event is written: its record goes (with its place in the pending index),
+        and its id is remembered with its source."""
         del self._records[record.request_id]
+        self.pending.pop(record.request_id, None)
         self.finished.add(record.request_id, record.source)
 
     def recover(self, start: int, messages: Iterable[object]) -> int:

@@ -18,7 +18,7 @@ and events the service sends. Per-request timestamps live on the request's `Live
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -72,7 +72,7 @@ class SchedulerMetrics(ServiceMetrics):
         self.num_prompt_tokens += len(request.prompt_token_ids)
         record.arrival_time = record.started = request.arrival_time or time.time()
 
-    def planned(self, plan: StepPlan, live: dict[str, LiveRequest]) -> None:
+    def planned(self, plan: StepPlan, live: Mapping[str, LiveRequest]) -> None:
         """NOTE: every admission sends its request in full, with its prefix-cache hit, and every
         preemption of a request the executor holds is named: what the core counts, counted here
         from the messages."""

@@ -1,6 +1,6 @@
 """What a restarted scheduler reads back from the generated topic (which it writes): which
 requests finished, and the tokens each live one generated so far. Pure: the service's main.py
-reads the records (`read_log`), `SchedulerHandler.recover` keeps the answer."""
+reads the records (`read_log`), `LiveRequests.recover` keeps the answer."""
 
 from __future__ import annotations
 

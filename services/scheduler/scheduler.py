@@ -188,7 +188,8 @@ class Scheduler:
 
         `isolate`: requests to run in a step of their own. The first of them in the waiting
         queue's order is admitted alone, ahead of the queue, when it fits; otherwise (none waits,
-        or no room) the step is the usual one. Who is isolated, and until when, is the caller's."""
+        or no room) the step is the usual one, which none of them joins: admissions stop at the
+        first of them. Who is isolated, and until when, is the caller's."""
         self.step_id += 1
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
@@ -202,7 +203,7 @@ class Scheduler:
             budget = self._admit_isolated(isolate, budget, scheduled, new_requests)
         if not scheduled:  # the usual step (or the request to isolate found no room: the others go on)
             budget = self._schedule_running(budget, scheduled, grown, preempted)
-            budget = self._admit(budget, scheduled, preempted, new_requests)
+            budget = self._admit(budget, scheduled, preempted, new_requests, isolate)
 
         preempted_ids = tuple(r.request_id for r in preempted if r.request_id in self._in_executor)
         self._in_executor.difference_update(preempted_ids)
@@ -281,16 +282,21 @@ class Scheduler:
         scheduled: dict[str, int],
         preempted: list[Request],
         new_requests: list[NewRequestData],
+        isolate: Collection[str] = (),
     ) -> int:
         """2. Admissions from the head of the queue, unless this step had to preempt (the pool is
-        full); -> the budget left. FCFS: nobody overtakes the head of the queue."""
+        full); -> the budget left. FCFS: nobody overtakes the head of the queue, and a request to
+        isolate joins no step that others are in."""
         while (
             not preempted
             and budget > 0
             and len(self.waiting) > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            num_new = self._admit_one(self.waiting.peek(), budget, scheduled, new_requests)
+            request = self.waiting.peek()
+            if scheduled and request.request_id in isolate:
+                break
+            num_new = self._admit_one(request, budget, scheduled, new_requests)
             if num_new is None:
                 break
             self.waiting.pop()

@@ -127,7 +127,7 @@ def token_event(request_id: str, update: StreamUpdate) -> TokenEvent:
 
 class TokenizerHandler(Service):
     group_id = "parkade-tokenizer"
-    topics = (topics.REQUESTS, topics.GENERATED)
+    consumes = (topics.REQUESTS, topics.GENERATED)
 
     def __init__(
         self,

@@ -22,15 +22,20 @@ class TokenizerService(TokenizerHandler):
     """The handler with its I/O: its announcement at start (read back: see TokenizerHandler), and
     each request's reply topic created before the request is handled."""
 
+    def __init__(self, frontend: FrontEnd, **kwargs: Any) -> None:
+        super().__init__(frontend, **kwargs)
+        self.bus: Bus | None = None  # the one `serve` runs it on
+        self.replies_ready: set[str] = set()  # reply topics known to exist
+
     async def start(self, bus: Bus, prefix: str) -> None:
         self.bus = bus
-        self.replies_ready: set[str] = set()  # reply topics known to exist
         await send_all(bus, [self.announcement()], prefix)
 
     async def on_record(self, message: Any, record: Record) -> list[Outgoing]:
         headers = record.headers
         reply = topics.reply_topic(headers)
         if isinstance(message, GenerateRequest | AbortRequest) and reply and reply not in self.replies_ready:
+            assert self.bus is not None, "serve() starts the service first"
             try:
                 await self.bus.create_topics([reply], single_partition=False)
             except Exception as error:  # a name the broker refuses: answer on the shared topic

@@ -24,7 +24,7 @@ class _Requests(Service):
     """A service of the requests topic whose methods are the functions given."""
 
     group_id = "g"
-    topics = (topics.REQUESTS,)
+    consumes = (topics.REQUESTS,)
 
     def __init__(self, on_record, **methods):
         self.on_record = on_record

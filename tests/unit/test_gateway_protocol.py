@@ -97,7 +97,7 @@ def test_the_handler_refuses_what_cannot_run_and_names_choices(handler):
     # Text parts joined, rendered by the template, tokenized here: the ids travel, not the chat.
     rendered = handler.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
     assert chat.submits[0]["prompt_token_ids"] == handler.tokenizer.encode(rendered, add_special_tokens=False)
-    assert "messages" not in chat.submits[0] and chat.submits[0]["prompt"] is None
+    assert "messages" not in chat.submits[0] and "prompt" not in chat.submits[0]
     assert chat.answer.id.startswith("chatcmpl-") and opened.answer.id.startswith("cmpl-")
 
 

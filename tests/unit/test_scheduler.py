@@ -382,3 +382,19 @@ def test_a_request_to_isolate_that_does_not_fit_lets_the_usual_step_run():
     plan = s.schedule(isolate={"big"})
     assert plan.num_scheduled_tokens == {"a": 1}
     s.check_integrity()
+
+
+def test_a_request_to_isolate_never_joins_a_step_with_others():
+    """Short of room for its step of its own, the usual step runs, and it stays out of it even
+    where a chunk of it would fit: if it breaks steps, it must break one alone."""
+    s = sched(num_blocks=16, max_num_batched_tokens=32, max_num_seqs=16)
+    for i in range(9):
+        s.add(req(f"r{i}", 3, max_tokens=2, first=4 * i))  # a block each, decodes included
+    s.schedule()
+    s.add(req("p", 40, first=100))  # ten blocks alone: 7 are free
+    plan = s.schedule(isolate={"p"})
+    # 23 tokens of budget and 7 blocks are left: a chunk of p would fit, and does not join.
+    assert plan.num_scheduled_tokens == {f"r{i}": 1 for i in range(9)}
+    s.add(req("q", 4, first=200))  # behind p: nobody overtakes the head of the queue
+    assert "q" not in s.schedule(isolate={"p"}).num_scheduled_tokens
+    s.check_integrity()

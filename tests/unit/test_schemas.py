@@ -3,7 +3,6 @@ import pytest
 
 from parkade.schemas import (
     CachedRequestData,
-    ChatMessage,
     EngineRequest,
     GenerateRequest,
     NewRequestData,
@@ -55,13 +54,7 @@ def test_generate_request_needs_exactly_one_prompt():
     with pytest.raises(ValueError, match="exactly one of prompt, prompt_token_ids and messages"):
         GenerateRequest(request_id="a")
     with pytest.raises(ValueError, match="exactly one"):
-        GenerateRequest(request_id="a", prompt="x", messages=(ChatMessage(role="user", content="x"),))
-    with pytest.raises(ValueError, match="exactly one"):
-        GenerateRequest(
-            request_id="a", prompt_token_ids=(1,), messages=(ChatMessage(role="user", content="x"),)
-        )
-    # Text with the token ids made from it (a client that tokenized it): the ids are the prompt.
-    assert GenerateRequest(request_id="a", prompt="x", prompt_token_ids=(1,)).prompt == "x"
+        GenerateRequest(request_id="a", prompt="x", prompt_token_ids=(1,))
     with pytest.raises(ValueError, match="prompt_token_ids must be non-empty"):
         EngineRequest(request_id="a", prompt_token_ids=(), sampling_params=SamplingParams())
 

@@ -1011,3 +1011,20 @@ def test_what_a_request_on_the_topics_may_not_ask(stories_frontend, monkeypatch)
     )
     (ok,) = handler.on_request(small_ask)
     assert ok.topic == topics.TOKENIZED
+
+
+def test_requests_read_before_an_executor_are_admitted_in_the_order_they_were_read():
+    """After a restart the recovered requests (first in the records, by their events) and the
+    new ones wait together for the executor; they reach the core in the tokenized topic's order."""
+    handler = SchedulerHandler(SchedulingOptions())
+    handler.recover(
+        0,
+        [GeneratedBatch(events=tuple(GeneratedTokens(request_id=r, index=0, token_ids=(7,)) for r in "ya"))],
+    )
+    for offset, request_id in enumerate("xay", start=10):
+        assert handler.on_tokenized(engine_request(request_id), (), offset=offset) == []
+    assert list(handler.live.pending) == ["x", "a", "y"]
+    handler.on_announcement(announce())
+    (plan,) = [o.message for o in handler.next_plans()][:1]
+    assert [new.request_id for new in plan.new_requests] == ["x", "a", "y"]
+    assert not handler.live.pending and handler.low_watermarks() == {topics.TOKENIZED: 10}
