@@ -1,6 +1,6 @@
 """`SchedulerHandler`: the scheduler service, without I/O. A relay between its topics, the pure
-core (`Scheduler`), the executor link (`ExecutorLink`) and one record per live request
-(`LiveRequest`).
+core (`Scheduler`), the executor link (`ExecutorLink`), one record per live request
+(`LiveRequest`, in `LiveRequests`) and the step failures' policy (`StepFailures`).
 
     tokenized topic     EngineRequest / FinishRequest  -> add / finish (GeneratedTokens on finish)
     step-results topic  ExecutorAnnouncement           -> size the page table; a new executor id
@@ -13,11 +13,10 @@ process; options that cannot work on the announced pool answer every request wit
 
 Failures are answered, never waited on forever. A step the executor could not run comes back
 with an error: the executor dropped its request state, so every request is recomputed under the
-next epoch (`Scheduler.recompute_all`); a request in `MAX_STEP_FAILURES` failed steps in a row
-ends with an error event naming the cause, and after its first it runs alone (the `isolate` of
-`Scheduler.schedule`). A lost executor or unanswered steps (`ExecutorLink.check`) void the steps
-in flight the same way; a request that waited `executor_wait_s` without an executor ends with an
-error event.
+next epoch (`Scheduler.recompute_all`); a request in too many failed steps in a row ends with an
+error event naming the cause, and after its first it runs alone (`StepFailures`). A lost
+executor or unanswered steps (`ExecutorLink.check`) void the steps in flight the same way; a
+request that waited `executor_wait_s` without an executor ends with an error event.
 
 A restart loses nothing (the README's "What is durable where"): the commit on the tokenized
 topic never passes the oldest live request's record (`low_watermarks`), and the saved progress
@@ -65,6 +64,7 @@ from parkade.services.scheduler.executor_link import (
     Heard,
     Lapse,
 )
+from parkade.services.scheduler.failures import StepFailures
 from parkade.services.scheduler.live import LiveRequest, LiveRequests
 from parkade.services.scheduler.metrics import Gauges, SchedulerMetrics
 from parkade.services.scheduler.scheduler import OverloadedError, Scheduler
@@ -73,10 +73,6 @@ log = logging.getLogger(__name__)
 
 # How long a request may wait while no executor is there to run it.
 DEFAULT_EXECUTOR_WAIT_S = 60.0
-# A request in this many failed steps in a row ends with the error rather than run again. After
-# the first, it runs alone: a request the model cannot run fails alone twice more, while one that
-# only shared a step with it (or met a passing fault) succeeds there and starts counting again.
-MAX_STEP_FAILURES = 3
 # How often the waiting requests' deadlines are looked at while there is no executor.
 _WAIT_CHECK_S = 0.5
 
@@ -114,7 +110,7 @@ class SchedulerHandler(Service):
         self.config_error: str | None = None
         self.live = LiveRequests()  # one record per live request, and the restart's bounds
         self.metrics: SchedulerMetrics | None = None  # see enable_metrics
-        self._suspects = False  # some live request may be isolated (a failed step's)
+        self.failures = StepFailures(self.live)  # who is suspected of failing steps
         self._next_wait_check = 0.0
 
     def enable_metrics(self) -> SchedulerMetrics:
@@ -290,11 +286,7 @@ class SchedulerHandler(Service):
         assert self.scheduler is not None
         if result.error is not None:
             return self._on_failed_step(answered.plan, result)
-        if self._suspects:  # suspects that sampled a token batch again, their count cleared
-            for request_id in result.request_ids:
-                record = self.live.get(request_id)
-                if record is not None:
-                    record.failures, record.isolate = 0, False
+        self.failures.sampled(result.request_ids)
         events = self.scheduler.update(answered.plan, result)
         if self.metrics is not None:
             self.metrics.step_round_trip.observe(self.clock() - answered.sent_at)
@@ -321,20 +313,10 @@ class SchedulerHandler(Service):
 
     def _on_failed_step(self, plan: StepPlan, result: StepResult) -> list[Outgoing]:
         """The executor could not run `plan` and dropped its request state: the plan's requests
-        count one failure each (ended at `MAX_STEP_FAILURES`), and every request is recomputed.
-        The suspects run alone next, so a failure that repeats is pinned on its request and does
-        not end the others that happened to share its step."""
-        assert self.scheduler is not None
+        count a failure each (see `StepFailures`), and every request is recomputed."""
         log.warning("the executor failed step %d: %s", plan.step_id, result.error)
         out: list[Outgoing] = []
-        for request_id in plan.num_scheduled_tokens:
-            record = self.live.get(request_id)
-            if record is None:
-                continue
-            record.failures += 1
-            if record.failures < MAX_STEP_FAILURES:
-                record.isolate = self._suspects = True
-                continue
+        for record in self.failures.failed(plan):
             error = f"the executor failed {record.failures} steps with this request: {result.error}"
             out += self._end_with_error(record, error, ErrorKind.INTERNAL)
         self._recompute_everything(epoch=result.epoch + 1)
@@ -354,7 +336,7 @@ class SchedulerHandler(Service):
         if self.scheduler is None:
             return out
         while self.link.has_room:
-            plan = self.scheduler.schedule(self._isolated())
+            plan = self.scheduler.schedule(self.failures.isolated())
             if not (plan.num_scheduled_tokens or plan.finished_request_ids or plan.preempted_request_ids):
                 break
             plan = self.link.send(spans.traced(plan, self.live))
@@ -377,14 +359,6 @@ class SchedulerHandler(Service):
         self.scheduler.check_integrity()
         assert self.scheduler.requests.keys() <= self.live.keys()
         assert not self.live.pending or not self.link.serving
-
-    def _isolated(self) -> frozenset[str]:
-        """The suspects still to run a step of their own (scanned only after a failure)."""
-        if not self._suspects:
-            return frozenset()
-        isolated = frozenset(r.request_id for r in self.live.values() if r.isolate)
-        self._suspects = bool(isolated)
-        return isolated
 
     def _check_executor(self) -> list[Outgoing]:
         """The executor's liveness (`ExecutorLink.check`); without an executor, end the requests
