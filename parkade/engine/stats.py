@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from parkade.schemas import GeneratedTokens
-from parkade.services.scheduler.scheduler import Scheduler
+from parkade.services.scheduler.scheduler import Scheduler, SchedulerStats
 
 log = logging.getLogger(__name__)
 
@@ -54,27 +54,23 @@ class StatLogger:
         self.clock = clock
         self.start = clock()
         self.generation_tokens = 0
-        self.computed_at_start = self._prompt_tokens_computed()
+        self.computed_at_start = _prompt_tokens_computed(scheduler.stats())
         _make_visible()
-
-    def _prompt_tokens_computed(self) -> int:
-        stats = self.scheduler.stats()
-        return stats.num_prefix_queries - stats.num_prefix_hits
 
     def record(self, events: Sequence[GeneratedTokens]) -> None:
         """Count one step's sampled tokens; log a line if the interval is over."""
         self.generation_tokens += sum(len(event.token_ids) for event in events)
         now = self.clock()
         if now - self.start >= self.interval_s:
-            log.info(self.line(now - self.start))
+            stats = self.scheduler.stats()
+            log.info(self.line(now - self.start, stats))
             self.start, self.generation_tokens = now, 0
-            self.computed_at_start = self._prompt_tokens_computed()
+            self.computed_at_start = _prompt_tokens_computed(stats)
 
-    def line(self, seconds: float) -> str:
-        """The stats line of the interval so far, `seconds` long."""
-        s = self.scheduler.stats()
+    def line(self, seconds: float, s: SchedulerStats) -> str:
+        """The stats line of an interval `seconds` long that ends with the scheduler's stats `s`."""
         seconds = max(seconds, 1e-9)
-        prompt_tokens = s.num_prefix_queries - s.num_prefix_hits - self.computed_at_start
+        prompt_tokens = _prompt_tokens_computed(s) - self.computed_at_start
         return (
             f"Avg prompt throughput: {prompt_tokens / seconds:.1f} tokens/s, "
             f"Avg generation throughput: {self.generation_tokens / seconds:.1f} tokens/s, "
@@ -82,3 +78,8 @@ class StatLogger:
             f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
             f"Prefix cache hit rate: {100 * s.prefix_cache_hit_rate:.1f}%"
         )
+
+
+def _prompt_tokens_computed(stats: SchedulerStats) -> int:
+    """Prompt tokens admitted and not found in the prefix cache, since the scheduler began."""
+    return stats.num_prefix_queries - stats.num_prefix_hits

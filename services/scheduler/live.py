@@ -122,7 +122,7 @@ class LiveRequests(Mapping[str, LiveRequest]):
         for request_id in finished:
             self.finished.add(request_id)
         for request_id, tokens in outputs.items():
-            self._records[request_id] = LiveRequest(request_id, generated_start=start, outputs=tokens)
+            self.open(request_id).outputs = tokens  # its events start at or after `start`
         return len(outputs)
 
     def acknowledged(self, offset: int) -> None:

@@ -50,9 +50,12 @@ class SchedulerStats:
     num_live_tokens: int  # tokens whose KV the running requests hold
     num_allocated_slots: int  # used blocks * block_size
     num_preemptions: int
-    prefix_cache_hit_rate: float
-    num_prefix_queries: int = 0  # prompt tokens looked up in the prefix cache at admissions
-    num_prefix_hits: int = 0  # of them, found
+    num_prefix_queries: int  # prompt tokens looked up in the prefix cache at admissions
+    num_prefix_hits: int  # of them, found
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -502,7 +505,6 @@ class Scheduler:
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
-        queries = self.kv.num_prefix_queries
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -511,8 +513,7 @@ class Scheduler:
             num_live_tokens=sum(r.num_computed_tokens for r in self.running),
             num_allocated_slots=pool.num_used_blocks * self.config.block_size,
             num_preemptions=self.num_preemptions,
-            prefix_cache_hit_rate=self.kv.num_prefix_hits / queries if queries else 0.0,
-            num_prefix_queries=queries,
+            num_prefix_queries=self.kv.num_prefix_queries,
             num_prefix_hits=self.kv.num_prefix_hits,
         )
 

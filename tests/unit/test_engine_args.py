@@ -232,7 +232,7 @@ def test_the_stat_logger_writes_one_line_per_interval(caplog):
     scheduler = SimpleNamespace(
         stats=lambda: SchedulerStats(
             num_running=3, num_waiting=2, num_used_blocks=25, num_free_blocks=75, num_live_tokens=0,
-            num_allocated_slots=0, num_preemptions=0, prefix_cache_hit_rate=0.25,
+            num_allocated_slots=0, num_preemptions=0,
             num_prefix_queries=prefix.queries, num_prefix_hits=prefix.hits,
         ),
     )  # fmt: skip
