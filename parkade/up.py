@@ -43,8 +43,9 @@ from parkade.schemas.topics import DEFAULT_PREFIX
 from parkade.services import SERVICES
 from parkade.services.bus.runtime import BROKER_WAIT_S, EXIT_DUPLICATE
 from parkade.services.common.flags import Flag, add_flags, flag_values, to_argv
-from parkade.services.common.model_config import read_max_position_embeddings, resolve_max_model_len
+from parkade.services.common.model_config import resolve_max_model_len
 from parkade.services.common.model_files import check_model_folder
+from parkade.services.common.simulation import max_positions
 from parkade.services.executor import main as executor_main
 from parkade.services.executor.options import ExecutorOptions
 from parkade.services.gateway import main as gateway_main
@@ -120,7 +121,7 @@ def check(args: argparse.Namespace) -> str | None:
         scheduler = scheduler_main.build_service(args)  # cheap: it waits for an executor to size it
         # What the scheduler would refuse once the executor announces itself, refused now.
         max_model_len = resolve_max_model_len(
-            read_max_position_embeddings(args.model), executor.max_model_len
+            max_positions(args.model, executor.simulate), executor.max_model_len
         )
         check_options(scheduler.options, block_size=executor.block_size, max_model_len=max_model_len)
     except ValueError as error:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from parkade.schemas import EngineRequest, FinishReason, GeneratedTokens, StepPlan
 from parkade.services.executor.executor import Executor
+from parkade.services.executor.simulated import SimulatedExecutor
 from parkade.services.scheduler.scheduler import Scheduler
 
 
@@ -20,7 +21,7 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor | SimulatedExecutor) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.dead: BaseException | None = None

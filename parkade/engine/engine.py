@@ -16,12 +16,12 @@ from parkade.engine.output_processor import OutputProcessor
 from parkade.engine.outputs import RequestOutput
 from parkade.engine.stats import StatLogger
 from parkade.schemas import FinishReason, SamplingParams
-from parkade.services.common.model_config import ModelConfig
 from parkade.services.common.model_files import check_model_folder
 from parkade.services.common.prompts import ChatOptions, ChatType
 from parkade.services.executor.build import build_executor
 from parkade.services.executor.executor import Executor
 from parkade.services.executor.options import ExecutorOptions
+from parkade.services.executor.simulated import SimulatedExecutor
 from parkade.services.scheduler.config import KVGeometry, SchedulerConfig, SchedulingOptions, check_options
 from parkade.services.scheduler.scheduler import Scheduler
 from parkade.services.tokenizer.frontend import (
@@ -35,18 +35,18 @@ from parkade.services.tokenizer.frontend import (
 __all__ = ["Engine", "PromptType", "build_engine_parts"]
 
 
-def build_engine_parts(args: EngineArgs) -> tuple[ModelConfig, Scheduler, Executor]:
+def build_engine_parts(args: EngineArgs) -> tuple[Scheduler, Executor | SimulatedExecutor]:
     """Load the model, size the KV pool, and build the scheduler over that pool, as the executor
     and scheduler services do (`build_executor`, `SchedulerConfig.build`)."""
     scheduling = args.options(SchedulingOptions)
-    model_config, executor, max_model_len = build_executor(
+    executor, max_model_len = build_executor(
         args.options(ExecutorOptions),
         before_load=lambda max_len: check_options(
             scheduling, block_size=args.block_size, max_model_len=max_len
         ),
     )
     geometry = KVGeometry(executor.num_blocks, args.block_size, max_model_len)
-    return model_config, Scheduler(SchedulerConfig.build(scheduling, geometry)), executor
+    return Scheduler(SchedulerConfig.build(scheduling, geometry)), executor
 
 
 class Engine:
@@ -55,7 +55,7 @@ class Engine:
         tokenizer = args.options(TokenizerOptions)
         if not skip_tokenizer_init:  # a folder without a tokenizer fails before the weights load
             check_model_folder(tokenizer.tokenizer or tokenizer.model, config=False, weights=False)
-        self.model_config, scheduler, executor = build_engine_parts(args)
+        scheduler, executor = build_engine_parts(args)
         # The engine's limit is the executor's (`build_executor` may lower an unset one to its
         # pool), and so the front end's: truncate_prompt_tokens=-1 cuts a prompt to it.
         tokenizer = dataclasses.replace(tokenizer, max_model_len=scheduler.config.max_model_len)

@@ -1,28 +1,38 @@
-"""Building an `Executor` from its options: one path for the executor service and the
-in-process engine.
+"""Building an `Executor` (or, with `simulate`, a `SimulatedExecutor`) from its options: one
+path for the executor service and the in-process engine.
 
 The executor owns the KV pool, so its settings fix the geometry the scheduler works in: the
 number of blocks (from the memory budget), `block_size` and the effective `max_model_len`.
+
+NOTE: torch is imported by the functions that build a real executor: a simulated one runs
+without it (a service that starts in a second and holds no torch).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
-
-import torch
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from parkade.services.common.model_config import ModelConfig, resolve_max_model_len
 from parkade.services.common.model_files import check_model_folder
 from parkade.services.executor import kv_budget
-from parkade.services.executor.executor import Executor
-from parkade.services.executor.kv_pool import bytes_per_block
 from parkade.services.executor.options import CPU_KV_BYTES, CPU_KV_SEQS, ExecutorOptions
+
+if TYPE_CHECKING:
+    import torch
+
+    from parkade.services.executor.executor import Executor
+    from parkade.services.executor.simulated import SimulatedExecutor
 
 log = logging.getLogger(__name__)
 
 
 def resolve_device(options: ExecutorOptions) -> torch.device:
+    import torch
+
     if options.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(options.device)
@@ -34,6 +44,10 @@ def kv_pool_budget(
     """The KV pool's budget as `Executor` takes it: bytes; a function that works them out once
     the weights are loaded (gpu_memory_utilization counts what they took); or None, CUDA's
     default share of the memory the weights left free."""
+    import torch
+
+    from parkade.services.executor.kv_pool import bytes_per_block
+
     if options.kv_cache_memory_bytes is not None:  # wins over gpu_memory_utilization, as in vLLM
         if options.gpu_memory_utilization is not None:
             log.info("kv_cache_memory_bytes is set: gpu_memory_utilization does not size the KV pool")
@@ -63,13 +77,22 @@ def build_executor(
     options: ExecutorOptions,
     *,
     before_load: Callable[[int], None] | None = None,
-) -> tuple[ModelConfig, Executor, int]:
-    """Load the model and allocate the KV pool -> (config, executor, effective max_model_len).
+) -> tuple[Executor | SimulatedExecutor, int]:
+    """Load the model and allocate the KV pool -> (executor, effective max_model_len).
 
     `before_load(max_model_len)` runs once the config is read and before the weights load, so
     that settings which cannot work fail fast. Raises ValueError (ModelFolderError for a folder
     that lacks a file) for settings the model or the pool cannot meet.
     """
+    if options.simulate is not None:
+        from parkade.services.executor.simulated import build_simulated_executor
+
+        # The model folder gives the vocabulary (its tokenizer's), not weights.
+        folder = check_model_folder(options.model, weights=False, tokenizer=False)
+        vocab_size = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+        return build_simulated_executor(options, vocab_size=vocab_size, before_load=before_load)
+    from parkade.services.executor.executor import Executor
+
     check_model_folder(options.model, tokenizer=False)
     device = resolve_device(options)
     model_config = ModelConfig.from_pretrained(options.model, options.dtype)
@@ -97,4 +120,4 @@ def build_executor(
     if device.type == "cuda" and not options.enforce_eager and executor.decode_graphs_supported():
         seconds = executor.capture_decode_graphs(max_model_len)
         log.info("captured %d decode CUDA graphs in %.1f s", len(executor.graphs.sizes), seconds)
-    return model_config, executor, max_model_len
+    return executor, max_model_len

@@ -16,13 +16,13 @@ import torch
 from parkade.kernels.backends import AttentionBackend, get_attention_backend
 from parkade.schemas import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from parkade.services.common.model_config import ModelConfig
+from parkade.services.executor import kv_budget
 from parkade.services.executor.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraph, DecodeGraphs, EagerGraph
 from parkade.services.executor.input_batch import InputBatch, ModelInputs
 from parkade.services.executor.kv_pool import allocate_kv_pool, num_blocks_for_budget
 from parkade.services.executor.model import load_model
 from parkade.services.executor.sampler import Sampler, token_logprobs
 
-GPU_KV_SHARE = 0.85  # of the device memory left free after loading the weights
 PROMPT_LOGPROBS_ROWS = 512  # prompt positions whose logits are computed at once
 
 
@@ -69,7 +69,7 @@ class Executor:
             if device.type != "cuda":
                 raise ValueError("kv_cache_memory_bytes must be given on a device other than CUDA")
             free, _ = torch.cuda.mem_get_info(device)
-            kv_cache_memory_bytes = int(free * GPU_KV_SHARE)
+            kv_cache_memory_bytes = int(free * kv_budget.GPU_KV_SHARE)
         self.num_blocks = num_blocks_for_budget(model_config, block_size, kv_cache_memory_bytes, kv_dtype)
         self.kv_caches = allocate_kv_pool(model_config, self.num_blocks, block_size, kv_dtype, device)
         self.sampler = Sampler()
@@ -77,6 +77,10 @@ class Executor:
         self.generator.manual_seed(seed)
         self.batch = InputBatch(block_size, device)
         self.graphs: DecodeGraphs | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
 
     def decode_graphs_supported(self) -> bool:
         # By name: resolving the Triton backend on a CPU would switch on its interpreter.

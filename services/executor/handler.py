@@ -30,6 +30,7 @@ from parkade.services.executor.metrics import ExecutorMetrics
 
 if TYPE_CHECKING:  # NOTE: so that `parkade up` reads the executor's flags without torch
     from parkade.services.executor.executor import Executor
+    from parkade.services.executor.simulated import SimulatedExecutor
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class ExecutorHandler(Service):
     poll_ms = 10
     send_each = True  # result N goes out before step N+1 runs
 
-    def __init__(self, executor: Executor, *, max_model_len: int) -> None:
+    def __init__(self, executor: Executor | SimulatedExecutor, *, max_model_len: int) -> None:
         self.executor = executor
         self.executor_id = uuid.uuid4().hex
         self.max_model_len = max_model_len
@@ -57,13 +58,12 @@ class ExecutorHandler(Service):
         return self.metrics
 
     def announcement(self) -> Outgoing:
-        config = self.executor.model_config
         message = ExecutorAnnouncement(
             executor_id=self.executor_id,
             num_blocks=self.executor.num_blocks,
             block_size=self.executor.block_size,
             max_model_len=self.max_model_len,
-            vocab_size=config.vocab_size,
+            vocab_size=self.executor.vocab_size,
             scheduler_id=self.scheduler_id or "",
             epoch=self.epoch,
         )

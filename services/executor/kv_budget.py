@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 GIB = 2**30
+GPU_KV_SHARE = 0.85  # on CUDA by default: of the device memory left free after loading the weights
 CGROUP_MEMORY_MAX = Path("/sys/fs/cgroup/memory.max")  # cgroup v2: a byte count, or "max"
 PROC_STATM = Path("/proc/self/statm")  # pages: size resident shared ...
 

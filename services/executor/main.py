@@ -23,6 +23,7 @@ from parkade.services.executor.options import ExecutorOptions
 
 if TYPE_CHECKING:
     from parkade.services.executor.executor import Executor
+    from parkade.services.executor.simulated import SimulatedExecutor
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class ExecutorService(ExecutorHandler):
 
     def __init__(
         self,
-        executor: Executor,
+        executor: Executor | SimulatedExecutor,
         *,
         max_model_len: int,
         heartbeat_s: float = HEARTBEAT_S,
@@ -90,10 +91,10 @@ class ExecutorService(ExecutorHandler):
 
 
 def build_service(options: ExecutorOptions, **kwargs: Any) -> ExecutorService:
-    """Load the model and allocate the KV pool (torch is imported here)."""
+    """Load the model and allocate the KV pool (torch is imported here, unless simulating)."""
     from parkade.services.executor.build import build_executor
 
-    _, executor, max_model_len = build_executor(options)
+    executor, max_model_len = build_executor(options)
     return ExecutorService(executor, max_model_len=max_model_len, **kwargs)
 
 

@@ -13,6 +13,8 @@ from parkade.kernels.backends import AttentionBackend
 from parkade.models import DEFAULT_MODEL
 from parkade.services.common.model_config import DTYPE_NAMES, check_dtype_name
 from parkade.services.common.model_files import MAX_MODEL_LEN_METADATA, MODEL_METADATA
+from parkade.services.common.simulation import SIMULATE_METADATA, Simulation
+from parkade.services.executor.cost_model import DEFAULT_BANDWIDTH_SHARE, DEFAULT_MFU, DEFAULT_STEP_OVERHEAD_S
 
 DType = Any  # a torch.dtype (not named, to keep torch out of this module)
 
@@ -76,6 +78,37 @@ class ExecutorOptions:
             "weights in fp32: several times faster there, equal up to summation order; off: native matmuls"
         },
     )
+    simulate: str | None = field(default=None, metadata=SIMULATE_METADATA)
+    simulate_speedup: float = field(
+        default=1.0,
+        metadata={
+            "help": "with --simulate: every predicted step time is divided by this; below 1 the simulated "
+            "GPU runs slower, so that a small host keeps its proportions (Dynamo's speedup_ratio)"
+        },
+    )
+    simulate_mfu: float = field(
+        default=DEFAULT_MFU,
+        metadata={
+            "help": "with --simulate: the share of the GPU's peak FLOP/s that matmuls and attention reach"
+        },
+    )
+    simulate_bandwidth_share: float = field(
+        default=DEFAULT_BANDWIDTH_SHARE,
+        metadata={
+            "help": "with --simulate: the share of the GPU's memory bandwidth that weight and KV reads reach"
+        },
+    )
+    simulate_step_overhead_ms: float = field(
+        default=DEFAULT_STEP_OVERHEAD_S * 1e3,
+        metadata={"help": "with --simulate: the fixed cost of each step (launches, sampling), in ms"},
+    )
+    simulate_eos_probability: float = field(
+        default=0.004,
+        metadata={
+            "help": "with --simulate: the chance that each token after min_tokens is EOS (outputs of 250 "
+            "tokens on average); 0: outputs run to max_tokens"
+        },
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention_backend", AttentionBackend.parse(self.attention_backend))
@@ -93,3 +126,7 @@ class ExecutorOptions:
         share = self.gpu_memory_utilization
         if share is not None and not 0 < share <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1] or unset, got {share}")
+        if self.simulate is not None:
+            Simulation.parse(self.simulate)  # a typo fails here, before anything starts
+            if self.simulate_speedup <= 0:
+                raise ValueError(f"simulate_speedup must be > 0, got {self.simulate_speedup}")

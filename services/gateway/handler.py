@@ -27,6 +27,7 @@ from parkade.schemas import SamplingParams
 from parkade.services.common import prompts
 from parkade.services.common.model_config import ModelConfig, resolve_max_model_len
 from parkade.services.common.model_files import MODEL_METADATA, check_model_folder, load_tokenizer
+from parkade.services.common.simulation import SIMULATE_METADATA, max_positions
 from parkade.services.gateway.protocol import (
     Answer,
     Choice,
@@ -53,6 +54,7 @@ class GatewayOptions:
     max_model_len: int | None = field(
         default=None, metadata={"help": "longest prompt + output served; unset: the model's own limit"}
     )
+    simulate: str | None = field(default=None, metadata=SIMULATE_METADATA)  # for its length limit
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on (0.0.0.0: every one)"})
     http_port: int = field(default=8000, metadata={"help": "HTTP port (0: a free one)"})
     max_body_bytes: int = field(
@@ -106,7 +108,9 @@ class GatewayHandler:
             model_name=options.served_model_name or Path(options.model).name,
             root=str(options.model),
             vocab_size=config.vocab_size,
-            max_model_len=resolve_max_model_len(config.max_position_embeddings, options.max_model_len),
+            max_model_len=resolve_max_model_len(
+                max_positions(options.model, options.simulate), options.max_model_len
+            ),
             trust_request_chat_template=options.trust_request_chat_template,
         )
 

@@ -47,6 +47,7 @@ from parkade.services.common.model_files import (
     load_tokenizer,
 )
 from parkade.services.common.prompts import ChatOptions, ChatType
+from parkade.services.common.simulation import SIMULATE_METADATA, max_positions
 from parkade.services.tokenizer.detokenizer import IncrementalDetokenizer
 
 # A prompt as vLLM's offline API takes it: text, {"prompt": text}, or {"prompt_token_ids": [...]}
@@ -63,6 +64,8 @@ class TokenizerOptions:
         default=None, metadata={"help": "folder of the tokenizer (tokenizer.json); unset: the model's"}
     )
     max_model_len: int | None = field(default=None, metadata=MAX_MODEL_LEN_METADATA)
+    # Only its model's length limit is read here: the tokens are the model folder's.
+    simulate: str | None = field(default=None, metadata=SIMULATE_METADATA)
     trust_request_chat_template: bool = field(
         default=False,
         metadata={
@@ -290,7 +293,9 @@ class FrontEnd:
             tokenizer,
             vocab_size=config.vocab_size,
             eos_token_ids=config.eos_token_ids,
-            max_model_len=resolve_max_model_len(config.max_position_embeddings, options.max_model_len),
+            max_model_len=resolve_max_model_len(
+                max_positions(options.model, options.simulate), options.max_model_len
+            ),
             trust_request_chat_template=options.trust_request_chat_template,
         )
 

@@ -227,7 +227,7 @@ def test_the_executor_upcasts_only_where_the_cpu_lacks_bf16_matmuls_and_only_whe
     path = make_tiny_model(tmp_path, "llama")
     for upcast in (True, False):
         options = ExecutorOptions(model=path, dtype="bfloat16", device="cpu", cpu_matmul_upcast=upcast)
-        _, executor, _ = build_executor(options)
+        executor, _ = build_executor(options)
         expected = upcast and not cpu_has_native_matmul(torch.bfloat16)
         assert executor.fp32_matmuls is expected
         weight = executor.model.model.layers[0].mlp.up_proj.weight
