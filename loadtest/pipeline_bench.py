@@ -1,6 +1,16 @@
 """What the Kafka pipeline costs: the same workload through the services and through `AsyncLLM`.
 
     python loadtest/pipeline_bench.py [--model DIR] [--num-requests 64] [--concurrency N] ...
+    python loadtest/pipeline_bench.py --simulate h200:llama-3-8b [--simulate-speedup 0.25] ...
+
+With --simulate both paths run the simulated executor (`parkade executor --simulate`): the GPU's
+step times, so that the pipeline's own cost shows apart from the forward pass on these cores. Its
+workload (unless given): 512 requests, 256 at once, prompts of 128-2,048 random token ids, outputs
+of 64-512 tokens (ignore_eos: exact lengths), vLLM's batching defaults (256 sequences, 8,192
+tokens a step) and the KV pool the GPU's memory gives. It also reports the executor's idle share
+(time between steps while it holds requests; the services' metrics, and in process the host's
+work between steps), the step's round trip outside the executor (each service marks its points:
+`services/common/timeline.py`), and CPU seconds per 1,000 output tokens and per step.
 
 Pipeline path: a Tansu broker on a free loopback port (unless --bootstrap-servers or
 $KAFKA_BOOTSTRAP_SERVERS names one), topics under a fresh prefix, and the tokenizer, scheduler and
@@ -71,6 +81,24 @@ class Trace:
             self.token_ids += token_ids
 
 
+def make_simulated_workload(args: argparse.Namespace) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Prompts of random token ids (the tokenizer's ids 3..: no BOS/EOS) and output lengths drawn
+    uniformly from the ranges; half greedy, half seeded; all ignore_eos."""
+    rng = random.Random(args.seed)
+    vocab = ModelConfig.from_pretrained(args.model).vocab_size
+    workload = {}
+    for i in range(args.num_requests):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(*args.prompt_lens))]
+        params = SamplingParams(
+            temperature=0.0 if i % 2 == 0 else 0.8,
+            seed=None if i % 2 == 0 else rng.randrange(2**31),
+            max_tokens=rng.randint(*args.output_lens),
+            ignore_eos=True,
+        )
+        workload[f"r{i}"] = (prompt, params)
+    return workload
+
+
 def make_workload(n: int, seed: int, max_tokens: int) -> dict[str, tuple[str, SamplingParams]]:
     """`n` requests: even ones greedy, odd ones seeded (temperature 0.8); all `ignore_eos`."""
     rng = random.Random(seed)
@@ -87,16 +115,19 @@ def make_workload(n: int, seed: int, max_tokens: int) -> dict[str, tuple[str, Sa
     return workload
 
 
-def kv_cache_bytes(args: argparse.Namespace) -> int:
+def kv_cache_bytes(args: argparse.Namespace) -> int | None:
+    if args.simulate:
+        return None  # from the simulated GPU's memory
     config = ModelConfig.from_pretrained(args.model, args.dtype)
     return (args.kv_tokens // args.block_size) * bytes_per_block(config, args.block_size, config.dtype)
 
 
 def percentiles_ms(values: list[float]) -> dict[str, float]:
     if len(values) < 2:
-        return {"p50": round(values[0] * 1e3, 2) if values else float("nan"), "p90": float("nan")}
-    cuts = statistics.quantiles(values, n=10, method="inclusive")
-    return {"p50": round(statistics.median(values) * 1e3, 2), "p90": round(cuts[8] * 1e3, 2)}
+        nan = float("nan")
+        return {"p50": round(values[0] * 1e3, 2) if values else nan, "p90": nan, "p99": nan}
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return {q: round(cuts[i] * 1e3, 3) for q, i in (("p50", 49), ("p90", 89), ("p99", 98))}
 
 
 def summarize(traces: dict[str, Trace], elapsed: float) -> dict:
@@ -156,10 +187,12 @@ async def run_in_process(args: argparse.Namespace, workload: dict) -> tuple[dict
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=kv_cache_bytes(args),
         seed=args.seed,
+        **simulate_kwargs(args),
     )
     steps: list[int] = []  # tokens scheduled per step
 
-    async def one(rid: str, prompt: str, params: SamplingParams, trace: Trace) -> None:
+    async def one(rid: str, prompt: str | list[int], params: SamplingParams, trace: Trace) -> None:
+        prompt = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
         async for output in engine.generate(prompt, params, request_id=rid):
             token_ids = output.outputs[0].token_ids  # cumulative
             trace.add(time.perf_counter(), token_ids[len(trace.token_ids) :])
@@ -167,14 +200,65 @@ async def run_in_process(args: argparse.Namespace, workload: dict) -> tuple[dict
     try:
         await one("warmup", "Hello", SamplingParams(temperature=0.0, max_tokens=8), Trace(True))
         engine.engine.core.on_schedule = lambda plan: steps.append(plan.total_num_scheduled_tokens)
+        gaps = ExecutorGaps(engine.engine.core.executor)
         ran = await drive(workload, args.concurrency, one)
     finally:
         await engine.shutdown()
     result = summarize(ran["traces"], ran["elapsed"])
+    result["executor"] = gaps.shares()
+    result["cpu_s"] = {"process": round(ran["client_cpu_s"], 2)}
+    result |= cpu_rates(result["cpu_s"], result["output_tokens"], len([n for n in steps if n]))
     working = [n for n in steps if n]
     result |= {"steps": len(working), "tokens_per_step": round(statistics.fmean(working), 2)}
     result["preemptions"] = engine.engine.core.scheduler.num_preemptions
     return result, ran["traces"]
+
+
+class ExecutorGaps:
+    """In process: the executor's time in steps, and between steps while it holds requests (the
+    host's work: scheduling, updating, output processing), measured around `execute`."""
+
+    def __init__(self, executor) -> None:
+        self.busy = self.idle = 0.0
+        self.last_end: float | None = None
+        execute = executor.execute
+
+        def timed(plan):
+            started = time.perf_counter()
+            if self.last_end is not None and executor.num_requests:
+                self.idle += started - self.last_end
+            try:
+                return execute(plan)
+            finally:
+                self.last_end = time.perf_counter()
+                self.busy += self.last_end - started
+
+        executor.execute = timed
+
+    def shares(self) -> dict:
+        return idle_share(self.busy, self.idle)
+
+
+def idle_share(busy: float, idle: float) -> dict:
+    return {
+        "busy_s": round(busy, 3),
+        "idle_s": round(idle, 3),
+        "idle_share": round(idle / (busy + idle), 4) if busy + idle else None,
+    }
+
+
+def cpu_rates(cpu_s: dict[str, float], output_tokens: int, steps: int) -> dict:
+    """Each process's CPU seconds per 1,000 output tokens and CPU milliseconds per step."""
+    return {
+        "cpu_s_per_1k_tokens": {k: round(1e3 * v / max(1, output_tokens), 4) for k, v in cpu_s.items()},
+        "cpu_ms_per_step": {k: round(1e3 * v / max(1, steps), 3) for k, v in cpu_s.items()},
+    }
+
+
+def simulate_kwargs(args: argparse.Namespace) -> dict:
+    if not args.simulate:
+        return {}
+    return {"simulate": args.simulate, "simulate_speedup": args.simulate_speedup}
 
 
 # --- pipeline -----------------------------------------------------------------------------------
@@ -183,15 +267,20 @@ async def run_in_process(args: argparse.Namespace, workload: dict) -> tuple[dict
 def service_cmd(name: str, bootstrap: str, prefix: str, args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, "-P", "-m", "parkade.cli", name]
     cmd += ["--bootstrap-servers", bootstrap, "--topic-prefix", prefix]
+    simulate = ["--simulate", args.simulate] if args.simulate else []
     if name == "tokenizer":
-        cmd += ["--model", args.model]
+        cmd += ["--model", args.model, *simulate]
     elif name == "scheduler":
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         cmd += ["--max-in-flight", str(args.max_in_flight)]
     else:
         cmd += ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size)]
-        cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes(args)), "--seed", str(args.seed)]
+        cmd += ["--seed", str(args.seed), "--metrics-port", str(args.executor_metrics_port)]
+        budget = kv_cache_bytes(args)
+        cmd += ["--kv-cache-memory-bytes", str(budget)] if budget is not None else []
+        if args.simulate:
+            cmd += [*simulate, "--simulate-speedup", str(args.simulate_speedup)]
     return cmd
 
 
@@ -281,6 +370,8 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
     log_dir.mkdir(parents=True, exist_ok=True)
     # NOTE: Child passes this process's environment on; the services read it when torch starts.
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ["PARKADE_STEP_TIMELINE"] = str(log_dir / "timeline")
+    (log_dir / "timeline").mkdir(exist_ok=True)
     started = time.perf_counter()
     children: list[Child] = []
     try:
@@ -290,8 +381,9 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
         startup_s = time.perf_counter() - started
         async with Client(bootstrap, prefix) as client:
 
-            async def one(rid: str, prompt: str, params: SamplingParams, trace: Trace) -> None:
-                await client.submit(prompt=prompt, sampling_params=params, request_id=rid)
+            async def one(rid: str, prompt: str | list[int], params: SamplingParams, trace: Trace) -> None:
+                text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+                await client.submit(prompt=text, prompt_token_ids=ids, sampling_params=params, request_id=rid)
                 async for event in client.stream(rid):
                     if event.error is not None:
                         raise RuntimeError(f"request {rid} failed: {event.error}")
@@ -300,13 +392,17 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
             await one("warmup", "Hello", SamplingParams(temperature=0.0, max_tokens=8), Trace(True))
             plans_before = len((await read_steps(bootstrap, prefix))[0])
             cpu_before = {c.name: cpu_seconds(c.proc.pid) for c in children}
+            gaps_before = executor_seconds(args.executor_metrics_port)
             ran = await asyncio.wait_for(drive(workload, args.concurrency, one), args.timeout)
             cpu = {c.name: round(cpu_seconds(c.proc.pid) - cpu_before[c.name], 2) for c in children}
+            gaps = executor_seconds(args.executor_metrics_port)
         all_plans, results = await read_steps(bootstrap, prefix)
         plans = [p.total_num_scheduled_tokens for p, _ in all_plans[plans_before:]]
         timeline = step_timeline(all_plans[plans_before:], results)
+        first_step = all_plans[plans_before][0].step_id if len(all_plans) > plans_before else 0
     finally:
         codes = await stop_all(children)
+    round_trip = round_trip_segments(log_dir / "timeline", first_step, args.max_in_flight)
     result = summarize(ran["traces"], ran["elapsed"])
     working = [n for n in plans if n]
     result |= {
@@ -314,13 +410,58 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
         "step_plans": len(plans),
         "tokens_per_step": round(statistics.fmean(working), 2),
         "step_timeline": timeline,
+        "executor": idle_share(gaps[0] - gaps_before[0], gaps[1] - gaps_before[1]),
+        "round_trip_outside_executor_ms": round_trip,
         # CPU seconds each process spent during the measured run (the client: this process).
         "cpu_s": cpu | {"client": round(ran["client_cpu_s"], 2)},
+        **cpu_rates(cpu | {"client": ran["client_cpu_s"]}, result["output_tokens"], len(working)),
         "startup_s": round(startup_s, 1),
         "service_exit_codes": codes,
         "logs": str(log_dir),
     }
     return result, ran["traces"]
+
+
+def executor_seconds(port: int) -> tuple[float, float]:
+    """(busy, idle) seconds so far, from the executor's metrics endpoint."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = float(value) if value and not line.startswith("#") else 0.0
+    return values["parkade:executor_busy_seconds_total"], values["parkade:executor_idle_seconds_total"]
+
+
+def round_trip_segments(folder: Path, first_step: int, in_flight: int) -> dict:
+    """Per step N of the measured run, from the services' timelines (one host clock):
+
+        result_to_scheduler  executor computed N -> scheduler read result N
+        apply                read result N -> applied (events out)
+        plan                 applied N -> plan N + in_flight made (the next plan the results free)
+        plan_to_executor     plan made -> executor received it
+        executor_wait        executor computed N -> received plan N + 1 (0 when it was there)
+    p50/p99 in ms."""
+    try:
+        scheduler = json.loads((folder / "scheduler.json").read_text())
+        executor = json.loads((folder / "executor.json").read_text())
+    except OSError:
+        return {}
+    at = {
+        k: {int(n): t for n, t in v.items() if int(n) >= first_step}
+        for k, v in (scheduler | executor).items()
+    }
+    computed, read, applied = at.get("computed", {}), at.get("result_read", {}), at.get("applied", {})
+    planned, received = at.get("planned", {}), at.get("received", {})
+    segments: dict[str, list[float]] = {
+        "result_to_scheduler": [read[n] - computed[n] for n in computed if n in read],
+        "apply": [applied[n] - read[n] for n in read if n in applied],
+        "plan": [planned[n + in_flight] - applied[n] for n in applied if n + in_flight in planned],
+        "plan_to_executor": [received[n] - planned[n] for n in planned if n in received],
+        "executor_wait": [max(0.0, received[n + 1] - computed[n]) for n in computed if n + 1 in received],
+    }
+    return {name: percentiles_ms(values) for name, values in segments.items()}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -367,7 +508,7 @@ def added(pipeline: dict, in_process: dict) -> dict:
     """What the pipeline adds over the in-process engine."""
     out = {"throughput_ratio": round(pipeline["output_tokens_per_s"] / in_process["output_tokens_per_s"], 3)}
     for metric in ("ttft", "itl"):
-        for q in ("p50", "p90"):
+        for q in ("p50", "p90", "p99"):
             extra = pipeline[f"{metric}_ms"][q] - in_process[f"{metric}_ms"][q]
             out[f"{metric}_{q}_added_ms"] = round(extra, 2)
     return out
@@ -376,14 +517,20 @@ def added(pipeline: dict, in_process: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=str(STORIES))
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=None, help="requests in flight (default: all)")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default=None, help="default: float32; with --simulate the model's")
+    parser.add_argument("--simulate", default=None, metavar="GPU:MODEL", help="the simulated executor")
+    parser.add_argument("--simulate-speedup", type=float, default=1.0)
+    parser.add_argument("--num-requests", type=int, default=None, help="default: 64; simulated 512")
+    parser.add_argument("--concurrency", type=int, default=None, help="default: all; simulated 256")
+    parser.add_argument("--max-tokens", type=int, default=128, help="without --simulate")
+    parser.add_argument("--prompt-lens", type=int, nargs=2, default=(128, 2048), help="with --simulate")
+    parser.add_argument("--output-lens", type=int, nargs=2, default=(64, 512), help="with --simulate")
     parser.add_argument("--kv-tokens", type=int, default=16384, help="KV budget, in token slots")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: 64; simulated 256")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="default: 2048; simulated 8192"
+    )
     parser.add_argument("--max-in-flight", type=int, default=2, help="the scheduler's step plans out at once")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads, each path")
     parser.add_argument("--seed", type=int, default=0)
@@ -395,9 +542,22 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the pipeline's workload")
     parser.add_argument("--log-dir", default=None, help="the services' logs (default: a temp folder)")
     args = parser.parse_args()
-    args.concurrency = args.concurrency or args.num_requests
+    simulated = args.simulate is not None
+    for name, plain, simulated_default in (
+        ("num_requests", 64, 512),
+        ("max_num_seqs", 64, 256),
+        ("max_num_batched_tokens", 2048, 8192),
+        ("dtype", "float32", "auto"),
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, simulated_default if simulated else plain)
+    args.concurrency = args.concurrency or (256 if simulated else args.num_requests)
+    args.executor_metrics_port = free_port()
     torch.set_num_threads(args.threads)
-    workload = make_workload(args.num_requests, args.seed, args.max_tokens)
+    if simulated:
+        workload = make_simulated_workload(args)
+    else:
+        workload = make_workload(args.num_requests, args.seed, args.max_tokens)
     in_process, in_process_traces = asyncio.run(run_in_process(args, workload))
     gc.collect()  # the in-process engine's KV pool, before the services start
     pipeline, pipeline_traces = asyncio.run(run_pipeline(args, workload))
@@ -408,7 +568,8 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "pipeline_vs_in_process",
-                "model": "stories260K" if args.model == str(STORIES) else Path(args.model).name,
+                "model": args.simulate
+                or ("stories260K" if args.model == str(STORIES) else Path(args.model).name),
                 "settings": settings | {"broker": "external" if args.bootstrap_servers else "tansu"},
                 "machine": machine,
                 "results": {"in_process": in_process, "pipeline": pipeline},

@@ -72,6 +72,14 @@ class Consumer(Protocol):
         """The next records, in offset order per partition; [] after timeout_ms without any."""
         ...
 
+    def set_fetch_wait(self, ms: int | None) -> None:
+        """How long the broker may hold a fetch that finds no new record (None: the default).
+        NOTE: Tansu answers a waiting fetch only when its wait ends, not when a record arrives
+        (measured: 9 ms median delivery at a 20 ms wait, 1.8 ms at 1 ms; Apache Kafka answers
+        at once), so a short wait is what a consumer on a latency-bound path needs, at the
+        price of a fetch every few ms while nothing comes."""
+        ...
+
     def highwaters(self) -> dict[str, int]:
         """The end offset of each topic read, as last heard from the broker (no round trip):
         for the consumer-lag metric. A topic not heard of yet is missing."""

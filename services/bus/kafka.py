@@ -46,7 +46,10 @@ def _security() -> dict[str, Any]:
 _SECURITY: dict[str, Any] | None = None
 
 # Latency matters more than batching: a step plan waits on every hop.
-_CONSUMER_SETTINGS = dict(fetch_max_wait_ms=20, enable_auto_commit=False, auto_offset_reset="earliest")
+IDLE_FETCH_WAIT_MS = 20  # see Consumer.set_fetch_wait
+_CONSUMER_SETTINGS = dict(
+    fetch_max_wait_ms=IDLE_FETCH_WAIT_MS, enable_auto_commit=False, auto_offset_reset="earliest"
+)
 
 
 # Errors that are one record's own (its size, its bytes): the others (the broker is away, a
@@ -92,6 +95,13 @@ class KafkaConsumer:
             for records in batches.values()
             for m in records
         ]
+
+    def set_fetch_wait(self, ms: int | None) -> None:
+        # NOTE: aiokafka (0.14) reads its fetcher's wait anew for every fetch request, and has no
+        # public setter: a newer aiokafka without the attribute keeps its wait (slower, correct).
+        fetcher = getattr(self._consumer, "_fetcher", None)
+        if fetcher is not None and hasattr(fetcher, "_fetch_max_wait_ms"):
+            fetcher._fetch_max_wait_ms = IDLE_FETCH_WAIT_MS if ms is None else ms
 
     def highwaters(self) -> dict[str, int]:
         out = {}

@@ -30,6 +30,9 @@ class MemoryConsumer:
             bus.topics.setdefault(topic, [])
         self.positions = {t: len(bus.topics[t]) if from_end else committed.get(t, 0) for t in topics}
 
+    def set_fetch_wait(self, ms: int | None) -> None:
+        """Nothing to set: a record wakes a waiting getmany at once."""
+
     def highwaters(self) -> dict[str, int]:
         return {topic: len(self.bus.topics[topic]) for topic in self.topics}
 

@@ -22,12 +22,14 @@ import signal
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from parkade.schemas import topics
 from parkade.schemas.topics import DEFAULT_PREFIX
 from parkade.services.bus.serve import Service, serve
 from parkade.services.common import logs, tracing
+from parkade.services.common.timeline import StepTimeline
 
 log = logging.getLogger(__name__)
 BROKER_WAIT_S = 10.0
@@ -90,6 +92,9 @@ def run_service(
         return 0
     if args.metrics_port is not None and not serve_metrics(name, args, service.enable_metrics().registry):
         return 1
+    timeline_dir = os.environ.get("PARKADE_STEP_TIMELINE")  # benchmarks: see common/timeline.py
+    if timeline_dir:
+        service.timeline = StepTimeline()
 
     async def serve_forever(stop: asyncio.Event) -> None:
         await on_kafka(
@@ -119,6 +124,8 @@ def run_service(
         return EXIT_DUPLICATE
     finally:
         tracing.shutdown()  # what is buffered goes out
+        if service.timeline is not None:
+            service.timeline.dump(Path(timeline_dir) / f"{name}.json")
 
 
 def connection_settings_ok(name: str) -> bool:

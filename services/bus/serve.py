@@ -36,6 +36,7 @@ from parkade.services.bus.base import (
     RecordRejected,
 )
 from parkade.services.common.metrics import ServiceMetrics
+from parkade.services.common.timeline import StepTimeline
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,10 @@ def rejected_letter(out: Outgoing, error: Exception) -> Outgoing:
 
 
 COMMIT_INTERVAL_S = 0.1  # while records keep coming, a commit once this long has passed
+# The broker's fetch wait while a service has work in flight (`Service.busy`): each hop of a
+# step's round trip and of a token's way to its client waits for a fetch (see
+# Consumer.set_fetch_wait); while idle, the bus's default (fewer fetches, less CPU).
+BUSY_FETCH_WAIT_MS = 2
 
 SCHEMA_HEADER = ("parkade-schema", str(topics.SCHEMA_VERSION).encode())
 
@@ -109,6 +114,7 @@ class Service:
     # and N+1, and result N must not wait for step N+1's compute).
     send_each = False
     metrics: ServiceMetrics | None = None  # its consumer lag is watched when set
+    timeline: StepTimeline | None = None  # the scheduler and executor mark their steps in it when set
 
     def enable_metrics(self) -> ServiceMetrics:
         """Measure from now on (the service serves them with --metrics-port)."""
@@ -132,6 +138,10 @@ class Service:
     def after_batch(self) -> list[Outgoing]:
         """After each poll, records or not (sent before what the records produced)."""
         return []
+
+    def busy(self) -> bool:
+        """Whether work is in flight whose next record someone waits for (short fetch waits)."""
+        return False
 
     def on_send_error(self, out: Outgoing, error: Exception) -> list[Outgoing]:
         """The broker refused `out` for what it is (too large): the records that answer for it."""
@@ -211,7 +221,11 @@ class _Loop:
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         uncommitted, last_commit = False, loop.time()
+        busy = False
         while not stop.is_set():
+            if self.service.busy() != busy:
+                busy = not busy
+                self.consumer.set_fetch_wait(BUSY_FETCH_WAIT_MS if busy else None)
             records = await self.consumer.getmany(timeout_ms=self.service.poll_ms)
             outgoing = await self._handle(records)
             # First: the scheduler's next step plans must not queue behind token records.

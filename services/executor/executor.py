@@ -82,6 +82,10 @@ class Executor:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
+    @property
+    def num_requests(self) -> int:
+        return len(self.batch)
+
     def decode_graphs_supported(self) -> bool:
         # By name: resolving the Triton backend on a CPU would switch on its interpreter.
         return self.attention_backend.__name__ == "parkade.kernels.attention_triton"

@@ -51,6 +51,8 @@ class ExecutorHandler(Service):
         self.num_failed_steps = 0
         self.links: dict[str, list] = {}  # per request, while tracing is on: the link to its span
         self.metrics: ExecutorMetrics | None = None  # see enable_metrics
+        self.last_step_end: float | None = None
+        self.held_requests = False  # whether requests were live when the last step ended
 
     def enable_metrics(self) -> ExecutorMetrics:
         """Measure from now on (the service serves them with --metrics-port)."""
@@ -89,7 +91,10 @@ class ExecutorHandler(Service):
             return []  # redelivered
         self.last_step_id = plan.step_id
         spans = self._start_spans(plan) if tracing.enabled() else []
+        if self.timeline is not None:
+            self.timeline.mark("received", plan.step_id)
         started = time.perf_counter()
+        self._count_idle(started)
         try:
             result = self.executor.execute(plan)
         except Exception as error:
@@ -100,13 +105,27 @@ class ExecutorHandler(Service):
             return [Outgoing(topics.STEP_RESULTS, self._failed(plan, error))]
         for span in spans:
             span.end()
+        self.last_step_end = ended = time.perf_counter()
+        self.held_requests = self.executor.num_requests > 0
+        if self.timeline is not None:
+            self.timeline.mark("computed", plan.step_id)
         if self.metrics is not None:
-            self.metrics.step_time.observe(time.perf_counter() - started)
+            self.metrics.step_time.observe(ended - started)
+            self.metrics.busy.inc(ended - started)
             self.metrics.steps.inc()
         result = msgspec.structs.replace(
             result, executor_id=self.executor_id, scheduler_id=plan.scheduler_id, epoch=plan.epoch
         )
         return [Outgoing(topics.STEP_RESULTS, result)]
+
+    def busy(self) -> bool:
+        return self.executor.num_requests > 0  # the next plan is owed
+
+    def _count_idle(self, now: float) -> None:
+        """The time since the last step ended counts as idle when requests were held then: the
+        step the scheduler owed came late (the pipeline's overhead, for its metrics)."""
+        if self.metrics is not None and self.last_step_end is not None and self.held_requests:
+            self.metrics.idle.inc(now - self.last_step_end)
 
     def _start_spans(self, plan: StepPlan) -> list:
         """The step's span, linked to the requests it serves, and a prefill span in the trace of

@@ -16,3 +16,11 @@ class ExecutorMetrics(ServiceMetrics):
         )
         self.steps = Counter("parkade:steps", "steps run", registry=self.registry)
         self.failed_steps = Counter("parkade:failed_steps", "steps that failed", registry=self.registry)
+        self.busy = Counter(
+            "parkade:executor_busy_seconds", "time spent running steps", registry=self.registry
+        )
+        self.idle = Counter(
+            "parkade:executor_idle_seconds",
+            "time between steps while the executor held live requests (waiting for the next plan)",
+            registry=self.registry,
+        )

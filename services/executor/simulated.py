@@ -137,6 +137,10 @@ class SimulatedExecutor:
         self.requests: dict[str, SimulatedRequest] = {}
         self.stats = SimulationStats()
 
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
     def reset(self) -> None:
         """Forget every request (a new scheduler knows none of them)."""
         self.requests.clear()

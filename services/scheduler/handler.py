@@ -286,12 +286,16 @@ class SchedulerHandler(Service):
         assert self.scheduler is not None
         if result.error is not None:
             return self._on_failed_step(answered.plan, result)
+        if self.timeline is not None:
+            self.timeline.mark("result_read", result.step_id)
         self.failures.sampled(result.request_ids)
         events = self.scheduler.update(answered.plan, result)
         if self.metrics is not None:
             self.metrics.step_round_trip.observe(self.clock() - answered.sent_at)
         for event in events:
             self._observe(event)
+        if self.timeline is not None:
+            self.timeline.mark("applied", result.step_id)
         return [Outgoing(topics.GENERATED, GeneratedBatch(events=tuple(events)))] if events else []
 
     def on_send_error(self, out: Outgoing, error: Exception) -> list[Outgoing]:
@@ -340,6 +344,8 @@ class SchedulerHandler(Service):
             if not (plan.num_scheduled_tokens or plan.finished_request_ids or plan.preempted_request_ids):
                 break
             plan = self.link.send(spans.traced(plan, self.live))
+            if self.timeline is not None:
+                self.timeline.mark("planned", plan.step_id)
             spans.planned(plan, self.live)
             if self.metrics is not None:
                 self.metrics.planned(plan, self.live)
@@ -351,6 +357,9 @@ class SchedulerHandler(Service):
     def after_batch(self) -> list[Outgoing]:
         """After every poll (see `Service`): plan."""
         return self.next_plans()
+
+    def busy(self) -> bool:
+        return bool(self.link.in_flight)  # a step's result is owed
 
     def check_integrity(self) -> None:
         """The core's invariants, and: every request the core holds has its live record, and

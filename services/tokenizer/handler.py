@@ -153,6 +153,9 @@ class TokenizerHandler(Service):
         self.caught_up_at: float | None = 0.0
         self.metrics: TokenizerMetrics | None = None  # see enable_metrics
 
+    def busy(self) -> bool:
+        return bool(self.streams)  # tokens are owed to clients
+
     def enable_metrics(self) -> TokenizerMetrics:
         """Measure from now on (the service serves them with --metrics-port)."""
         self.metrics = TokenizerMetrics()
