@@ -403,6 +403,7 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
     finally:
         codes = await stop_all(children)
     round_trip = round_trip_segments(log_dir / "timeline", first_step, args.max_in_flight)
+    edges = run_edges(log_dir / "timeline", first_step, ran["traces"])
     result = summarize(ran["traces"], ran["elapsed"])
     working = [n for n in plans if n]
     result |= {
@@ -412,6 +413,9 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
         "step_timeline": timeline,
         "executor": idle_share(gaps[0] - gaps_before[0], gaps[1] - gaps_before[1]),
         "round_trip_outside_executor_ms": round_trip,
+        # The run's wall time outside the executor's first and last step.
+        "before_first_step_s": edges[0],
+        "after_last_step_s": edges[1],
         # CPU seconds each process spent during the measured run (the client: this process).
         "cpu_s": cpu | {"client": round(ran["client_cpu_s"], 2)},
         **cpu_rates(cpu | {"client": ran["client_cpu_s"]}, result["output_tokens"], len(working)),
@@ -432,6 +436,22 @@ def executor_seconds(port: int) -> tuple[float, float]:
         name, _, value = line.partition(" ")
         values[name] = float(value) if value and not line.startswith("#") else 0.0
     return values["parkade:executor_busy_seconds_total"], values["parkade:executor_idle_seconds_total"]
+
+
+def run_edges(folder: Path, first_step: int, traces: dict[str, Trace]) -> tuple[float | None, float | None]:
+    """(first submit -> the executor receives the run's first plan, its last step computed ->
+    the last token event at the client): perf_counter is CLOCK_MONOTONIC, the timelines' clock."""
+    try:
+        executor = json.loads((folder / "executor.json").read_text())
+    except OSError:
+        return None, None
+    received = [t for n, t in executor.get("received", {}).items() if int(n) >= first_step]
+    computed = [t for n, t in executor.get("computed", {}).items() if int(n) >= first_step]
+    if not received or not computed:
+        return None, None
+    first_submit = min(t.submit for t in traces.values())
+    last_token = max(t.arrivals[-1] for t in traces.values() if t.arrivals)
+    return round(min(received) - first_submit, 3), round(last_token - max(computed), 3)
 
 
 def round_trip_segments(folder: Path, first_step: int, in_flight: int) -> dict:

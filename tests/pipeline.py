@@ -44,7 +44,10 @@ async def running_pipeline(
     measuring, as with --metrics-port)."""
     executor_kwargs.setdefault("dtype", "float32")
     pipeline = Pipeline(
-        TokenizerService(FrontEnd.from_options(TokenizerOptions(model=model))),
+        # A simulated executor's model sets the tokenizer's length limit too.
+        TokenizerService(
+            FrontEnd.from_options(TokenizerOptions(model=model, simulate=executor_kwargs.get("simulate")))
+        ),
         SchedulerService(options or SchedulingOptions(), **(scheduler_kwargs or {})),
         build_service(ExecutorOptions(model=model, **executor_kwargs), heartbeat_s=0.5),
     )
