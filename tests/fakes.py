@@ -30,6 +30,10 @@ class FakeExecutor:
         # overwritten) fails here; needs block_size.
         self.slots: dict[int, tuple[int, int]] = {}
 
+    @property
+    def num_requests(self) -> int:
+        return len(self.token_ids)
+
     def execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.finished_request_ids + plan.preempted_request_ids:
             self.token_ids.pop(request_id)

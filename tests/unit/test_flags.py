@@ -55,11 +55,18 @@ NON_DEFAULTS = {
         seed=11,
         cpu_matmul_upcast=False,
         enforce_eager=True,
+        simulate="h100:qwen2-7b",
+        simulate_speedup=0.5,
+        simulate_mfu=0.4,
+        simulate_bandwidth_share=0.7,
+        simulate_step_overhead_ms=2.5,
+        simulate_eos_probability=0.01,
     ),
     TokenizerOptions: dict(
         model=Path("/models/llama"),
         tokenizer=Path("/models/llama-tokenizer"),
         max_model_len=64,
+        simulate="h100:qwen2-7b",
         trust_request_chat_template=True,
     ),
 }

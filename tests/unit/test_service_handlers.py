@@ -284,9 +284,15 @@ class _CountingExecutor:
 
     num_blocks, block_size = 8, 4
 
+    vocab_size = 50
+
     def __init__(self):
         self.executed = []
         self.requests = {"old": object()}
+
+    @property
+    def num_requests(self):
+        return len(self.requests)
 
     def execute(self, plan):
         self.executed.append(plan.step_id)
@@ -572,7 +578,6 @@ class _FlakyExecutor(FakeExecutor):
     """A FakeExecutor whose step raises when `fails(plan)` says so, and that can drop its state."""
 
     num_blocks, block_size = 64, 4
-    model_config = msgspec.defstruct("Config", [("vocab_size", int, 50)])()
 
     def __init__(self, fails, seed=5):
         super().__init__(vocab_size=50, seed=seed, block_size=4)

@@ -160,10 +160,13 @@ def _new(request_id: str, tokens: list[int], blocks: tuple[int, ...], **params) 
 
 
 class FakeClock:
+    """Time that passes by sleeping, and by a microsecond each read (the wait's spin ends)."""
+
     def __init__(self) -> None:
         self.now = 0.0
 
     def __call__(self) -> float:
+        self.now += 1e-6
         return self.now
 
     def sleep(self, seconds: float) -> None:
@@ -176,20 +179,19 @@ def test_a_step_waits_its_predicted_time_over_the_speedup_and_checks_its_block_t
     executor = SimulatedExecutor(
         sim, vocab_size=512, block_size=4, num_blocks=8, speedup=2.0, clock=clock, sleep=clock.sleep
     )
-    prompt = [1, 2, 3, 4, 5, 6]
-    plan = StepPlan(step_id=1, new_requests=(_new("a", prompt, (0, 1)),), num_scheduled_tokens={"a": 6})
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    plan = StepPlan(step_id=1, new_requests=(_new("a", prompt, (0, 1)),), num_scheduled_tokens={"a": 8})
     result = executor.execute(plan)
-    predicted = CostModel(sim.gpu, sim.model).step_time(StepWork.of([(0, 6, True)]))
-    assert clock.now == pytest.approx(predicted / 2)
+    predicted = CostModel(sim.gpu, sim.model).step_time(StepWork.of([(0, 8, True)]))
+    assert clock.now == pytest.approx(predicted / 2, abs=1e-5)
     assert result.request_ids == ("a",) and len(result.sampled_token_ids) == 1
     assert executor.stats.predicted_s == pytest.approx(predicted) and executor.stats.steps == 1
-    # Token 7 needs a third block: without it the step fails, as an index would on the device.
+    # Token 9 needs a third block: without it the step fails, as an index would on the device.
     with pytest.raises(IndexError, match="blocks"):
         executor.execute(StepPlan(step_id=2, num_scheduled_tokens={"a": 1}))
-    executor.requests["a"].num_computed_tokens = 6
-    grown = CachedRequestData(request_id="a", new_block_ids=(5,), num_computed_tokens=6)
+    grown = CachedRequestData(request_id="a", new_block_ids=(5,), num_computed_tokens=8)
     result = executor.execute(StepPlan(step_id=3, cached_requests=(grown,), num_scheduled_tokens={"a": 1}))
-    assert executor.requests["a"].block_ids == [0, 1, 5] and len(executor.requests["a"].token_ids) == 8
+    assert executor.requests["a"].block_ids == [0, 1, 5] and len(executor.requests["a"].token_ids) == 10
     with pytest.raises(IndexError, match="outside the pool"):
         executor.execute(
             StepPlan(step_id=4, new_requests=(_new("b", [1], (8,)),), num_scheduled_tokens={"b": 1})
@@ -211,7 +213,7 @@ def test_a_step_takes_its_predicted_time_on_the_wall_clock():
     tokens = list(range(1, 200))
     plans = [
         StepPlan(
-            step_id=1, new_requests=(_new("a", tokens, tuple(range(13))),), num_scheduled_tokens={"a": 199}
+            step_id=1, new_requests=(_new("a", tokens, tuple(range(20))),), num_scheduled_tokens={"a": 199}
         )
     ]
     executor.execute(plans[0])
