@@ -70,7 +70,6 @@ def test_simulated_tokens_are_the_same_in_process_and_through_kafka(bootstrap_se
         await bus.create_topics([topics.topic_name(t, prefix) for t in topics.ALL_TOPICS])
         try:
             async with running_pipeline(bus, STORIES, prefix=prefix, **ENGINE) as pipeline:
-                assert pipeline.scheduler.scheduler.config.max_model_len == 1024
                 async with Client(bootstrap_servers, prefix) as client:
 
                     async def one(rid: str) -> tuple[list[int], str, str]:
@@ -85,6 +84,7 @@ def test_simulated_tokens_are_the_same_in_process_and_through_kafka(bootstrap_se
 
                     got = await asyncio.gather(*(one(rid) for rid in workload))
                 await wait_idle(pipeline)
+                assert pipeline.scheduler.scheduler.config.max_model_len == 1024  # the simulated model's
                 kv = pipeline.scheduler.scheduler.kv
                 assert kv.num_free_blocks == kv.num_blocks
                 return dict(zip(workload, got, strict=True))
