@@ -31,24 +31,37 @@ def ttft(cost: CostModel, prompt: int, chunk: int = MAX_NUM_BATCHED_TOKENS) -> f
     )
 
 
-def engine_run(gpu: str, n: int, prompt_len: int, output_len: int, max_num_seqs: int = 256) -> dict:
-    """`n` requests at once through Parkade's scheduler on the simulated GPU: the simulated time
-    of the whole run and of each request's end (in steps' predicted times)."""
+def lengths(n: int, mean: int, spread: bool, seed: int) -> list[int]:
+    """`n` lengths of mean `mean`: all equal, or (`spread`) exponential as chat datasets' are
+    roughly (ShareGPT's has a long tail), between 4 and 8 x the mean."""
+    if not spread:
+        return [mean] * n
+    rng = random.Random(seed)
+    return [min(8 * mean, max(4, round(rng.expovariate(1 / mean)))) for _ in range(n)]
+
+
+def engine_run(gpu: str, n: int, prompt_len: int, output_len: int, *, spread: bool = False) -> dict:
+    """`n` requests at once through Parkade's scheduler on the simulated GPU (vLLM's defaults:
+    256 sequences, 8,192 tokens a step): the simulated time of the whole run (the steps'
+    predicted times, summed)."""
+    prompt_lens, output_lens = lengths(n, prompt_len, spread, 1), lengths(n, output_len, spread, 2)
     llm = LLM(
         simulate=f"{gpu}:llama-3-8b",
         simulate_speedup=1e9,  # no waiting: the times are the predicted ones
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=256,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        max_model_len=prompt_len + output_len,
     )
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(prompt_len)]} for _ in range(n)]
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(p)]} for p in prompt_lens]
+    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for o in output_lens]
     executor = llm.engine.core.executor
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
-    seconds = executor.stats.predicted_s
-    return {"seconds": seconds, "steps": executor.stats.steps, "output_tokens": n * output_len}
+    assert [len(o.outputs[0].token_ids) for o in outputs] == output_lens
+    return {
+        "seconds": executor.stats.predicted_s,
+        "steps": executor.stats.steps,
+        "output_tokens": sum(output_lens),
+    }
 
 
 def rows() -> list[dict]:
@@ -82,16 +95,12 @@ def rows() -> list[dict]:
         15.18,
         h100.decode_step_time(8, 21_000) * 1e3,
     )
-    run = engine_run("h100", 500, 202, 179)
-    row(
-        "B",
-        "H100, 500 requests at once, 202 in / 179 out",
-        "output tokens/s",
-        6500,
-        run["output_tokens"] / run["seconds"],
-    )
-    run = engine_run("h200", 200, 202, 179)
-    row("C", "H200, 200 requests at once, 202 in / 179 out", "requests/s", 22.57, 200 / run["seconds"])
+    for spread, shape in ((False, "all 202 in / 179 out"), (True, "exponential lengths, means 202 / 179")):
+        run = engine_run("h100", 500, 202, 179, spread=spread)
+        tokens_per_s = run["output_tokens"] / run["seconds"]
+        row("B", f"H100, 500 requests at once, {shape}", "output tokens/s", 6500, tokens_per_s)
+        run = engine_run("h200", 200, 202, 179, spread=spread)
+        row("C", f"H200, 200 requests at once, {shape}", "requests/s", 22.57, 200 / run["seconds"])
     run = engine_run("h200", 8, 32, 128)
     row("C", "H200, batch 8, 32 in / 128 out", "end-to-end latency, ms", 833.4, run["seconds"] * 1e3)
     return out
