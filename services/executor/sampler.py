@@ -47,10 +47,9 @@ import torch
 
 from parkade.schemas.engine import TokenLogprobs
 from parkade.schemas.sampling import SamplingParams
+from parkade.services.executor.mixing import MASK64, splitmix64
 
 __all__ = ["Sampler", "SamplingRow", "row_seed", "token_logprobs"]
-
-_MASK64 = (1 << 64) - 1
 
 
 class SamplingRow(Protocol):
@@ -62,16 +61,9 @@ class SamplingRow(Protocol):
     eos_token_ids: tuple[int, ...]
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
 def row_seed(seed: int, num_output_tokens: int) -> int:
     """The generator seed of a seeded request at one output position: a pure function of both."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ num_output_tokens)
+    return splitmix64(splitmix64(seed & MASK64) ^ num_output_tokens)
 
 
 class Sampler:

@@ -35,6 +35,7 @@ from parkade.services.common.model_config import resolve_max_model_len
 from parkade.services.common.simulation import GIB, Simulation
 from parkade.services.executor import kv_budget
 from parkade.services.executor.cost_model import CostModel, Efficiency, StepWork
+from parkade.services.executor.mixing import MASK64, splitmix64
 from parkade.services.executor.options import ExecutorOptions
 
 log = logging.getLogger(__name__)
@@ -44,21 +45,12 @@ log = logging.getLogger(__name__)
 RUNTIME_BYTES = 3 * GIB // 2
 SPIN_S = 0.0002  # the end of a wait is spun, not slept: a sleep overshoots by ~0.1 ms
 NO_LOGPROB = -9999.0  # the tokens the simulated model did not say (vLLM's stand-in for -inf)
-_MASK64 = (1 << 64) - 1
-
-
-def _mix(x: int) -> int:
-    """splitmix64's finalizer: 64 well-mixed bits of `x`."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
 
 
 def request_key(request_id: str, params: SamplingParams) -> int:
     """The seed of a request's tokens: its own seed, else its id (stable across processes)."""
     if params.seed is not None:
-        return _mix(params.seed & _MASK64)
+        return splitmix64(params.seed & MASK64)
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
 
 
@@ -76,14 +68,14 @@ def next_token(
     EOS comes with probability `eos_probability` once `min_tokens` are out (never with
     `ignore_eos`); no other draw gives an EOS id, nor a stop token id before `min_tokens`, as the
     real sampler bans them. `allowed_token_ids` is kept to; other logit shaping is not modelled."""
-    h = _mix(key ^ _mix(len(token_ids) ^ (token_ids[-1] << 32)))
+    h = splitmix64(key ^ splitmix64(len(token_ids) ^ (token_ids[-1] << 32)))
     num_outputs = len(token_ids) - num_prompt_tokens
     may_stop = num_outputs >= params.min_tokens
     if may_stop and eos_token_ids and not params.ignore_eos and (h >> 11) / 2**53 < eos_probability:
         return eos_token_ids[0]
     banned = set(eos_token_ids) if may_stop else {*eos_token_ids, *params.stop_token_ids}
     choices = params.allowed_token_ids or range(vocab_size)
-    draw = _mix(h)
+    draw = splitmix64(h)
     for i in range(len(choices)):
         token = choices[(draw + i) % len(choices)]
         if token not in banned:
