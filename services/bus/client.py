@@ -31,7 +31,7 @@ import msgspec
 
 from parkade.schemas import AbortRequest, ChatMessage, GenerateRequest, SamplingParams, TokenEvent, topics
 from parkade.services.bus.base import Bus, Outgoing, RecordRejected
-from parkade.services.bus.serve import BUSY_FETCH_WAIT_MS, send_all
+from parkade.services.bus.serve import FetchWait, send_all
 from parkade.services.common.prompts import ChatOptions
 
 log = logging.getLogger(__name__)
@@ -97,12 +97,10 @@ class RequestClient:
     async def _read(self, consumer: Any) -> None:
         loop = asyncio.get_running_loop()
         last_record = loop.time()
-        busy = False
+        fetch_wait = FetchWait(consumer)
         try:
             while not self._closing:
-                if bool(self._streams) != busy:  # short fetch waits while streams are open (serve.py)
-                    busy = not busy
-                    consumer.set_fetch_wait(BUSY_FETCH_WAIT_MS if busy else None)
+                fetch_wait.follow(bool(self._streams))  # short fetch waits while streams are open
                 try:
                     records = await consumer.getmany(timeout_ms=100)
                     if records:

@@ -72,6 +72,20 @@ COMMIT_INTERVAL_S = 0.1  # while records keep coming, a commit once this long ha
 # Consumer.set_fetch_wait); while idle, the bus's default (fewer fetches, less CPU).
 BUSY_FETCH_WAIT_MS = 2
 
+
+class FetchWait:
+    """A consumer's fetch wait, following whether its reader is busy: BUSY_FETCH_WAIT_MS while it
+    is, the bus's default while not (set only when that changes)."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer, self.busy = consumer, False
+
+    def follow(self, busy: bool) -> None:
+        if busy != self.busy:
+            self.busy = busy
+            self.consumer.set_fetch_wait(BUSY_FETCH_WAIT_MS if busy else None)
+
+
 SCHEMA_HEADER = ("parkade-schema", str(topics.SCHEMA_VERSION).encode())
 
 
@@ -221,11 +235,9 @@ class _Loop:
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         uncommitted, last_commit = False, loop.time()
-        busy = False
+        fetch_wait = FetchWait(self.consumer)
         while not stop.is_set():
-            if self.service.busy() != busy:
-                busy = not busy
-                self.consumer.set_fetch_wait(BUSY_FETCH_WAIT_MS if busy else None)
+            fetch_wait.follow(self.service.busy())
             records = await self.consumer.getmany(timeout_ms=self.service.poll_ms)
             outgoing = await self._handle(records)
             # First: the scheduler's next step plans must not queue behind token records.

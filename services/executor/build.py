@@ -108,15 +108,12 @@ def build_executor(
         seed=options.seed,
         cpu_matmul_upcast=options.cpu_matmul_upcast,
     )
-    pool_tokens = executor.num_blocks * options.block_size
-    if max_model_len > pool_tokens:
-        if options.max_model_len is not None:
-            raise ValueError(
-                f"max_model_len={max_model_len} is more than the KV pool holds ({executor.num_blocks} blocks "
-                f"of {options.block_size} = {pool_tokens} tokens): raise kv_cache_memory_bytes or lower "
-                "max_model_len"
-            )
-        max_model_len = pool_tokens
+    max_model_len = kv_budget.fit_max_model_len(
+        max_model_len,
+        requested=options.max_model_len,
+        num_blocks=executor.num_blocks,
+        block_size=options.block_size,
+    )
     if device.type == "cuda" and not options.enforce_eager and executor.decode_graphs_supported():
         seconds = executor.capture_decode_graphs(max_model_len)
         log.info("captured %d decode CUDA graphs in %.1f s", len(executor.graphs.sizes), seconds)

@@ -22,6 +22,21 @@ CGROUP_MEMORY_MAX = Path("/sys/fs/cgroup/memory.max")  # cgroup v2: a byte count
 PROC_STATM = Path("/proc/self/statm")  # pages: size resident shared ...
 
 
+def fit_max_model_len(max_model_len: int, *, requested: int | None, num_blocks: int, block_size: int) -> int:
+    """The executor's limit once its pool is known: an unset limit is lowered to what the pool
+    holds; one set above it is a ValueError (the real and the simulated executor alike)."""
+    pool_tokens = num_blocks * block_size
+    if max_model_len <= pool_tokens:
+        return max_model_len
+    if requested is not None:
+        raise ValueError(
+            f"max_model_len={max_model_len} is more than the KV pool holds ({num_blocks} blocks "
+            f"of {block_size} = {pool_tokens} tokens): raise kv_cache_memory_bytes or lower "
+            "max_model_len"
+        )
+    return pool_tokens
+
+
 def gpu_kv_bytes(utilization: float, *, free: int, total: int) -> int:
     """The KV budget on a device with `free` of `total` bytes free once the weights are loaded.
 

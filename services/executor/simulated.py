@@ -293,13 +293,9 @@ def build_simulated_executor(
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(f"a KV budget of {budget} bytes is less than one block ({per_block} bytes)")
-    if max_model_len > num_blocks * options.block_size:
-        if options.max_model_len is not None:
-            raise ValueError(
-                f"max_model_len={max_model_len} is more than the simulated KV pool holds "
-                f"({num_blocks * options.block_size} tokens)"
-            )
-        max_model_len = num_blocks * options.block_size
+    max_model_len = kv_budget.fit_max_model_len(
+        max_model_len, requested=options.max_model_len, num_blocks=num_blocks, block_size=options.block_size
+    )
     executor = SimulatedExecutor(
         simulation,
         vocab_size=vocab_size,
