@@ -22,6 +22,7 @@ from parkade.schemas.requests import (
     TokenizerAnnouncement,
     sample_request_id,
 )
+from parkade.schemas.routing import KVEvents, ReplicaStatus, RequestRouted
 from parkade.schemas.sampling import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from parkade.schemas.steps import (
     CachedRequestData,
@@ -49,9 +50,12 @@ __all__ = [
     "GeneratedBatch",
     "GeneratedTokens",
     "InstanceHeartbeat",
+    "KVEvents",
     "NewRequestData",
     "PromptLogprobs",
+    "ReplicaStatus",
     "RequestOutputKind",
+    "RequestRouted",
     "SamplingParams",
     "SchedulerAnnouncement",
     "StepPlan",

@@ -39,6 +39,9 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="engine_reque
     priority: int = 0
     arrival_time: float = 0.0
     cache_salt: str | None = None  # see GenerateRequest
+    # Tokens this request already generated on another replica (a hand-over, see
+    # RequestRouted): this replica recomputes prompt + these and goes on from there.
+    output_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -86,6 +89,7 @@ class GeneratedTokens(msgspec.Struct, frozen=True, kw_only=True, tag="generated_
     # On a request's first event, when its params asked for them: the logprobs of prompt
     # tokens 1.. (entry 0 of each is the prompt token itself), as vLLM's `prompt_logprobs[1:]`.
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    replica: str = ""  # the replica that wrote it ("" inside a GeneratedBatch: the batch's)
 
 
 class GeneratedBatch(msgspec.Struct, frozen=True, kw_only=True, tag="generated_batch"):
@@ -97,6 +101,7 @@ class GeneratedBatch(msgspec.Struct, frozen=True, kw_only=True, tag="generated_b
     """
 
     events: tuple[GeneratedTokens, ...]
+    replica: str = ""  # the replica that wrote it
 
 
 class SchedulerAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="scheduler_announcement"):
@@ -106,3 +111,4 @@ class SchedulerAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="sche
 
     scheduler_id: str
     resumes: bool = False
+    replica: str = ""

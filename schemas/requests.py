@@ -36,6 +36,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True, tag="generate")
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # The `session` router keeps the requests of one session on one replica (and every router
+    # counts it as a hint of a shared prefix); OpenAI's `user` field under the gateway.
+    session_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:

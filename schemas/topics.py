@@ -21,14 +21,16 @@ from parkade.schemas.engine import (
 from parkade.schemas.events import TokenEvent
 from parkade.schemas.instances import InstanceHeartbeat
 from parkade.schemas.requests import AbortRequest, GenerateRequest, TokenizerAnnouncement
+from parkade.schemas.routing import DEFAULT_REPLICA, KVEvents, ReplicaStatus, RequestRouted
 from parkade.schemas.steps import ExecutorAnnouncement, StepPlan, StepResult
 
 # Sent in every record's `parkade-schema` header. 2: the generated topic carries GeneratedBatch;
 # 3: step plans and results carry an epoch, and a result an error; 4: the instances topic, a
 # scheduler's announcement says whether it resumes, a tokenizer announces itself on requests;
 # 5: an executor's announcement lost `model`, `eos_token_ids` and `heartbeat` (read by nobody:
-# a v4 reader refuses a v5 announcement, which lacks the required `model`).
-SCHEMA_VERSION = 5
+# a v4 reader refuses a v5 announcement, which lacks the required `model`). 6: engine replicas:
+# the kv-events topic, RequestRouted on requests, `replica` on generated records.
+SCHEMA_VERSION = 6
 DEFAULT_PREFIX = "parkade."
 
 REQUESTS = "requests"  # client -> tokenizer, keyed by request_id
@@ -39,16 +41,21 @@ GENERATED = "generated"  # scheduler -> tokenizer: token ids, one record per ste
 TOKENS = "tokens"  # tokenizer -> clients, keyed by request_id
 DEAD_LETTER = "dead-letter"  # records that could not be decoded
 INSTANCES = "instances"  # every service, every second: it is there (one instance each)
+KV_EVENTS = "kv-events"  # each replica -> routers: status and prefix-cache blocks (compacted)
+# A replica's own topics: replica "0" uses the plain names, replica R `replica-R.<name>` (see
+# replica_topic). The other topics are shared by every replica.
+REPLICA_TOPICS = ("tokenized", "step-plans", "step-results")
 
 # The union each topic carries.
 TOPIC_TYPES: dict[str, Any] = {
-    REQUESTS: GenerateRequest | AbortRequest | TokenizerAnnouncement,
+    REQUESTS: GenerateRequest | AbortRequest | TokenizerAnnouncement | RequestRouted,
     TOKENIZED: EngineRequest | FinishRequest,
     STEP_PLANS: StepPlan,
     STEP_RESULTS: StepResult | ExecutorAnnouncement,
     GENERATED: GeneratedBatch | GeneratedTokens | SchedulerAnnouncement,
     TOKENS: TokenEvent,
     INSTANCES: InstanceHeartbeat,
+    KV_EVENTS: ReplicaStatus | KVEvents,
 }
 
 ENCODER = msgspec.msgpack.Encoder()
@@ -64,11 +71,24 @@ REPLY_TOPIC = "reply-topic"
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 JSON = b"application/json"
 MSGPACK = b"application/msgpack"
-ALL_TOPICS = (REQUESTS, TOKENIZED, STEP_PLANS, STEP_RESULTS, GENERATED, TOKENS, DEAD_LETTER, INSTANCES)
+ALL_TOPICS = (
+    REQUESTS, TOKENIZED, STEP_PLANS, STEP_RESULTS, GENERATED, TOKENS, DEAD_LETTER, INSTANCES, KV_EVENTS
+)  # fmt: skip
 
 
 def topic_name(topic: str, prefix: str = DEFAULT_PREFIX) -> str:
     return f"{prefix}{topic}"
+
+
+def replica_topic(topic: str, replica: str = DEFAULT_REPLICA) -> str:
+    """A replica's own topic (unprefixed): `topic` for replica "0", else `replica-R.topic`."""
+    assert topic in REPLICA_TOPICS, topic
+    return topic if replica == DEFAULT_REPLICA else f"replica-{replica}.{topic}"
+
+
+def base_topic(topic: str) -> str:
+    """What a topic carries: `replica-R.tokenized` -> `tokenized` (replica names have no dot)."""
+    return topic.rsplit(".", 1)[-1]
 
 
 def all_topic_names(prefix: str = DEFAULT_PREFIX) -> list[str]:
@@ -78,15 +98,15 @@ def all_topic_names(prefix: str = DEFAULT_PREFIX) -> list[str]:
 
 def decoder(topic: str) -> msgspec.msgpack.Decoder:
     """The typed msgpack decoder of one topic (its name without the prefix)."""
-    return msgspec.msgpack.Decoder(TOPIC_TYPES[topic])
+    return msgspec.msgpack.Decoder(TOPIC_TYPES[base_topic(topic)])
 
 
 class TopicDecoder:
     """A topic's typed decoders, msgpack and JSON; `decode` picks by the record's content type."""
 
     def __init__(self, topic: str) -> None:
-        self.msgpack = msgspec.msgpack.Decoder(TOPIC_TYPES[topic])
-        self.json = msgspec.json.Decoder(TOPIC_TYPES[topic])
+        self.msgpack = msgspec.msgpack.Decoder(TOPIC_TYPES[base_topic(topic)])
+        self.json = msgspec.json.Decoder(TOPIC_TYPES[base_topic(topic)])
 
     def decode(self, value: bytes, content_type: bytes | None = None) -> Any:
         return (self.json if is_json(content_type) else self.msgpack).decode(value)

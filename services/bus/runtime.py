@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from parkade.schemas import topics
+from parkade.schemas.routing import DEFAULT_REPLICA
 from parkade.schemas.topics import DEFAULT_PREFIX
 from parkade.services.bus.serve import Service, serve
 from parkade.services.common import logs, tracing
@@ -36,9 +37,18 @@ BROKER_WAIT_S = 10.0
 EXIT_DUPLICATE = 3  # another instance serves these topics: `parkade up` does not restart it
 
 
-def service_parser(name: str, description: str | None) -> argparse.ArgumentParser:
-    """A service's argument parser with the bus arguments every service takes."""
+def service_parser(name: str, description: str | None, *, replica: bool = False) -> argparse.ArgumentParser:
+    """A service's argument parser with the bus arguments every service takes (`replica`: and
+    --replica, for the scheduler and the executor)."""
     parser = argparse.ArgumentParser(prog=f"parkade {name}", description=description)
+    if replica:
+        parser.add_argument(
+            "--replica",
+            default=os.environ.get("PARKADE_REPLICA", DEFAULT_REPLICA),
+            help="the engine replica it belongs to (a scheduler and an executor with their KV pool; "
+            "a stable name, kept across restarts): replica 0 uses the plain topics, replica R its own "
+            "replica-R.* step topics (default: $PARKADE_REPLICA, else 0)",
+        )
     parser.add_argument(
         "--bootstrap-servers",
         default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"),
@@ -104,6 +114,8 @@ def run_service(
             lambda bus: serve(bus, service, prefix=args.topic_prefix, stop=stop, ready=_announce_ready(name)),
             wait_s=args.broker_wait,
             idempotence=args.idempotence,
+            instance=service.instance_name or name,
+            own_topics=service.own_topics(),
         )
 
     from parkade.services.bus.instances import DuplicateInstanceError
@@ -162,19 +174,24 @@ async def on_kafka(
     *,
     wait_s: float = BROKER_WAIT_S,
     idempotence: bool = False,
+    instance: str | None = None,
+    own_topics: tuple[str, ...] = (),
 ) -> None:
-    """Wait for the broker, create any missing topic, claim `service` on the topics, `run(bus)`
-    (heartbeating), close the bus."""
+    """Wait for the broker, create any missing topic (`own_topics`: unprefixed, beyond every
+    deployment's), claim `instance` (default: `service`) on the topics, `run(bus)` (heartbeating),
+    close the bus."""
     from parkade.services.bus.instances import single_instance
     from parkade.services.bus.kafka import KafkaBus, wait_for_broker
 
     await wait_for_broker(bootstrap_servers, timeout_s=wait_s)
     bus = KafkaBus(bootstrap_servers, client_id=f"parkade-{service}", idempotence=idempotence)
     try:
-        await bus.create_topics(topics.all_topic_names(prefix))
+        await bus.create_topics(
+            topics.all_topic_names(prefix) + [topics.topic_name(t, prefix) for t in own_topics]
+        )
         # NOTE: not before: a service that cannot start says so in one line and nothing else.
         log.info("starting: broker %s, topics %s*", bootstrap_servers, prefix, extra={"topic": prefix})
-        async with single_instance(bus, service, prefix, uuid.uuid4().hex):
+        async with single_instance(bus, instance or service, prefix, uuid.uuid4().hex):
             await run(bus)
     finally:
         await bus.close()

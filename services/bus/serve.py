@@ -129,11 +129,18 @@ class Service:
     send_each = False
     metrics: ServiceMetrics | None = None  # its consumer lag is watched when set
     timeline: StepTimeline | None = None  # the scheduler and executor mark their steps in it when set
+    # What it claims on the instances topic (see instances.py): its service's name, or for an
+    # engine replica's scheduler and executor `<service>.replica-R` (one of each per replica).
+    instance_name: str | None = None
 
     def enable_metrics(self) -> ServiceMetrics:
         """Measure from now on (the service serves them with --metrics-port)."""
         self.metrics = ServiceMetrics()
         return self.metrics
+
+    def own_topics(self) -> tuple[str, ...]:
+        """Topics (unprefixed) it needs beyond every deployment's (a replica's step topics)."""
+        return tuple(t for t in self.consumes if t not in topics.ALL_TOPICS)
 
     async def start(self, bus: Bus, prefix: str) -> None:
         """Before the first poll (an announcement, reading the log back)."""

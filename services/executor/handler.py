@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from parkade.schemas import ExecutorAnnouncement, StepPlan, StepResult, failed_step, topics
+from parkade.schemas.routing import DEFAULT_REPLICA
 from parkade.services.bus.base import Outgoing, Record
 from parkade.services.bus.serve import Service
 from parkade.services.common import tracing
@@ -41,8 +42,16 @@ class ExecutorHandler(Service):
     poll_ms = 10
     send_each = True  # result N goes out before step N+1 runs
 
-    def __init__(self, executor: Executor | SimulatedExecutor, *, max_model_len: int) -> None:
+    def __init__(
+        self, executor: Executor | SimulatedExecutor, *, max_model_len: int, replica: str = DEFAULT_REPLICA
+    ) -> None:
         self.executor = executor
+        # The replica it serves (see schemas/routing.py): its own step topics and group.
+        self.replica = replica
+        self.consumes = (topics.replica_topic(topics.STEP_PLANS, replica),)
+        self.results_topic = topics.replica_topic(topics.STEP_RESULTS, replica)
+        if replica != DEFAULT_REPLICA:
+            self.group_id = f"{ExecutorHandler.group_id}.replica-{replica}"
         self.executor_id = uuid.uuid4().hex
         self.max_model_len = max_model_len
         self.scheduler_id: str | None = None
@@ -69,7 +78,7 @@ class ExecutorHandler(Service):
             scheduler_id=self.scheduler_id or "",
             epoch=self.epoch,
         )
-        return Outgoing(topics.STEP_RESULTS, message)
+        return Outgoing(self.results_topic, message)
 
     def on_record(self, message: StepPlan, record: Record) -> list[Outgoing]:
         return self.on_plan(message)
@@ -102,7 +111,7 @@ class ExecutorHandler(Service):
             for span in spans:
                 span.set_status(tracing.trace.Status(tracing.trace.StatusCode.ERROR, str(error)))
                 span.end()
-            return [Outgoing(topics.STEP_RESULTS, self._failed(plan, error))]
+            return [Outgoing(self.results_topic, self._failed(plan, error))]
         for span in spans:
             span.end()
         self.last_step_end = ended = time.perf_counter()
@@ -116,7 +125,7 @@ class ExecutorHandler(Service):
         result = msgspec.structs.replace(
             result, executor_id=self.executor_id, scheduler_id=plan.scheduler_id, epoch=plan.epoch
         )
-        return [Outgoing(topics.STEP_RESULTS, result)]
+        return [Outgoing(self.results_topic, result)]
 
     def busy(self) -> bool:
         return self.executor.num_requests > 0  # the next plan is owed
@@ -157,7 +166,7 @@ class ExecutorHandler(Service):
         if not isinstance(result, StepResult) or result.error is not None or result.epoch != self.epoch:
             return []  # an announcement (the next heartbeat says it again), or already answered for
         cause = RuntimeError(f"the step's result could not be sent: {error}")
-        return [Outgoing(topics.STEP_RESULTS, self._failed(result, cause))]
+        return [Outgoing(self.results_topic, self._failed(result, cause))]
 
     def _reset(self) -> None:
         """Drop every request's state; the scheduler sends each live request again as new."""

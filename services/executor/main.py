@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from parkade.schemas import StepPlan
+from parkade.schemas.routing import DEFAULT_REPLICA, check_replica_name
 from parkade.services.bus.base import Bus, Outgoing, Record
 from parkade.services.bus.runtime import run_service, service_parser
 from parkade.services.bus.serve import send_all
@@ -48,8 +49,11 @@ class ExecutorService(ExecutorHandler):
         heartbeat_s: float = HEARTBEAT_S,
         step_deadline_s: float = STEP_DEADLINE_S,
         on_hung: Callable[[], None] = lambda: os._exit(EXIT_HUNG),
+        replica: str = DEFAULT_REPLICA,
     ) -> None:
-        super().__init__(executor, max_model_len=max_model_len)
+        super().__init__(executor, max_model_len=max_model_len, replica=replica)
+        if replica != DEFAULT_REPLICA:
+            self.instance_name = f"executor.replica-{replica}"
         self.heartbeat_s, self.step_deadline_s, self.on_hung = heartbeat_s, step_deadline_s, on_hung
         self.step_started: float | None = None  # loop time, while a step runs
         self._beating: asyncio.Task | None = None
@@ -99,9 +103,12 @@ def build_service(options: ExecutorOptions, **kwargs: Any) -> ExecutorService:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = service_parser("executor", __doc__)
+    parser = service_parser("executor", __doc__, replica=True)
     add_flags(parser, FLAGS)
     args = parser.parse_args(argv)
-    return run_service(
-        "executor", parser, args, lambda: build_service(ExecutorOptions(**flag_values(FLAGS, args)))
-    )
+
+    def build() -> ExecutorService:
+        replica = check_replica_name(args.replica)
+        return build_service(ExecutorOptions(**flag_values(FLAGS, args)), replica=replica)
+
+    return run_service("executor", parser, args, build)

@@ -25,6 +25,23 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
+class CacheEvents:
+    """What the prefix cache stored and dropped since the last `take`, for the KV events an
+    engine replica publishes (schemas/routing.py). Each block's last change only: stored then
+    dropped within one interval is dropped."""
+
+    def __init__(self) -> None:
+        self.changes: dict[BlockHash, bool] = {}  # hash -> cached now
+        self.cleared = False  # every cached block went (reset): what came before is void
+
+    def take(self) -> tuple[list[BlockHash], list[BlockHash], bool]:
+        """-> (stored, removed, cleared before them), and start over."""
+        stored = [h for h, cached in self.changes.items() if cached]
+        removed = [h for h, cached in self.changes.items() if not cached]
+        cleared, self.changes, self.cleared = self.cleared, {}, False
+        return stored, removed, cleared
+
+
 class KVBlock:
     __slots__ = ("block_hash", "block_id", "parent_hash", "ref_cnt", "token_ids")
 
@@ -47,6 +64,11 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}  # block_hash -> block_id
         self.num_evictions = 0
+        self.events: CacheEvents | None = None  # set by a replica that publishes KV events
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash the prefix cache holds (a KV-event snapshot)."""
+        return list(self._cached)
 
     @property
     def num_free_blocks(self) -> int:
@@ -125,6 +147,8 @@ class BlockPool:
         assert block.ref_cnt > 0 and block.block_hash is None
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self._cached[block_hash] = block_id
+        if self.events is not None:
+            self.events.changes[block_hash] = True
 
     def uncache(self, block_id: int) -> None:
         """Drop a used block's prefix registration (its K/V will never be computed)."""
@@ -132,6 +156,8 @@ class BlockPool:
         if block.block_hash is not None:
             assert block.ref_cnt > 0
             del self._cached[block.block_hash]
+            if self.events is not None:
+                self.events.changes[block.block_hash] = False
             block.block_hash, block.parent_hash, block.token_ids = None, None, ()
 
     def reset(self) -> None:
@@ -142,10 +168,15 @@ class BlockPool:
             block.block_hash, block.parent_hash, block.token_ids = None, None, ()
         self._cached.clear()
         self._free = OrderedDict((i, None) for i in range(self.num_blocks))
+        if self.events is not None:
+            self.events.changes.clear()
+            self.events.cleared = True
 
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         del self._cached[block.block_hash]
+        if self.events is not None:
+            self.events.changes[block.block_hash] = False
         block.block_hash, block.parent_hash, block.token_ids = None, None, ()
         self.num_evictions += 1
 

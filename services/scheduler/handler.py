@@ -37,6 +37,8 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import msgspec
+
 from parkade.schemas import (
     EngineRequest,
     ErrorKind,
@@ -51,6 +53,7 @@ from parkade.schemas import (
     failed_step,
     topics,
 )
+from parkade.schemas.routing import DEFAULT_REPLICA
 from parkade.services.bus.base import Headers, Outgoing, Record
 from parkade.services.bus.serve import Service, rejected_letter
 from parkade.services.common import logs
@@ -67,6 +70,7 @@ from parkade.services.scheduler.executor_link import (
 from parkade.services.scheduler.failures import StepFailures
 from parkade.services.scheduler.live import LiveRequest, LiveRequests
 from parkade.services.scheduler.metrics import Gauges, SchedulerMetrics
+from parkade.services.scheduler.replica import ReplicaPublisher
 from parkade.services.scheduler.scheduler import OverloadedError, Scheduler
 
 log = logging.getLogger(__name__)
@@ -91,6 +95,7 @@ class SchedulerHandler(Service):
         executor_wait_s: float = DEFAULT_EXECUTOR_WAIT_S,
         step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        replica: str = DEFAULT_REPLICA,
     ) -> None:
         if executor_wait_s <= 0:
             raise ValueError("executor_wait_s must be > 0")
@@ -98,6 +103,20 @@ class SchedulerHandler(Service):
         self.executor_wait_s = executor_wait_s
         self.clock = clock
         self.scheduler_id = uuid.uuid4().hex
+        # The engine replica it schedules for (schemas/routing.py): its own tokenized and step
+        # topics, group and instance claim; its events name it on the shared generated topic.
+        self.replica = replica
+        self.consumes = (
+            topics.replica_topic(topics.TOKENIZED, replica),
+            topics.replica_topic(topics.STEP_RESULTS, replica),
+        )
+        self.plans_topic = topics.replica_topic(topics.STEP_PLANS, replica)
+        if replica != DEFAULT_REPLICA:
+            self.group_id = f"{SchedulerHandler.group_id}.replica-{replica}"
+            self.instance_name = f"scheduler.replica-{replica}"
+        self.publisher = ReplicaPublisher(replica, self.scheduler_id, clock=clock)
+        # The name its events carry: "" for replica 0, as before replicas (readers take "" as 0).
+        self.stamp = "" if replica == DEFAULT_REPLICA else replica
         self.link = ExecutorLink(
             self.scheduler_id,
             max_in_flight=max_in_flight,
@@ -134,12 +153,13 @@ class SchedulerHandler(Service):
     def announcement(self) -> Outgoing:
         """Sent once at start: the end of what `recover` reads, and for the tokenizer the news
         that its streams go on (this scheduler resumes its predecessor's requests)."""
-        return Outgoing(topics.GENERATED, SchedulerAnnouncement(scheduler_id=self.scheduler_id, resumes=True))
+        announcement = SchedulerAnnouncement(scheduler_id=self.scheduler_id, resumes=True, replica=self.stamp)
+        return Outgoing(topics.GENERATED, announcement)
 
     def recover(self, start: int, messages: Iterable[object]) -> None:
         """Rebuild from the generated topic's records from offset `start` up to this scheduler's
         announcement: which requests finished, and what each live one generated so far."""
-        num_live = self.live.recover(start, messages)
+        num_live = self.live.recover(start, messages, self.replica)
         log.info("recovered %d live requests (generated topic from offset %d)", num_live, start)
 
     def on_sent(self, out: Outgoing, offset: int) -> None:
@@ -148,7 +168,7 @@ class SchedulerHandler(Service):
 
     def low_watermarks(self) -> dict[str, int]:
         low = self.live.low_watermark()
-        return {topics.TOKENIZED: low} if low is not None else {}
+        return {self.consumes[0]: low} if low is not None else {}
 
     def progress(self) -> dict[str, int]:
         return {topics.GENERATED: self.live.progress()}
@@ -183,6 +203,7 @@ class SchedulerHandler(Service):
         elif record.request is not None:
             return []  # a redelivered request
         record.request, record.headers, record.source = message, headers, offset
+        record.resume(message.output_token_ids)
         spans.arrived(record, len(message.prompt_token_ids))
         if self.link.serving:
             return self._admit(record)
@@ -274,6 +295,7 @@ class SchedulerHandler(Service):
         try:
             self.scheduler = Scheduler(SchedulerConfig.build(self.options, geometry))
             self.config_error = None
+            self.publisher.attach(self.scheduler.kv.pool)
         except ValueError as error:
             # Options that cannot work on this executor answer every request with the reason,
             # until an executor they fit announces itself.
@@ -296,7 +318,9 @@ class SchedulerHandler(Service):
             self._observe(event)
         if self.timeline is not None:
             self.timeline.mark("applied", result.step_id)
-        return [Outgoing(topics.GENERATED, GeneratedBatch(events=tuple(events)))] if events else []
+        if not events:
+            return []
+        return [Outgoing(topics.GENERATED, GeneratedBatch(events=tuple(events), replica=self.stamp))]
 
     def on_send_error(self, out: Outgoing, error: Exception) -> list[Outgoing]:
         """The broker refused a record this handler produced (too large). A step plan that could
@@ -310,7 +334,12 @@ class SchedulerHandler(Service):
         if isinstance(message, GeneratedBatch) and len(message.events) > 1:
             # Each event again, alone; its bookkeeping (spans, metrics, records) was done once.
             return [
-                Outgoing(topics.GENERATED, event, event.request_id, self._headers(event.request_id))
+                Outgoing(
+                    topics.GENERATED,
+                    msgspec.structs.replace(event, replica=self.stamp),
+                    event.request_id,
+                    self._headers(event.request_id),
+                )
                 for event in message.events
             ]
         return [rejected_letter(out, error)]
@@ -349,14 +378,20 @@ class SchedulerHandler(Service):
             spans.planned(plan, self.live)
             if self.metrics is not None:
                 self.metrics.planned(plan, self.live)
-            out.append(Outgoing(topics.STEP_PLANS, plan))
+            out.append(Outgoing(self.plans_topic, plan))
         if self.link.serving and not self.link.in_flight:
             self.check_integrity()
         return out
 
     def after_batch(self) -> list[Outgoing]:
-        """After every poll (see `Service`): plan."""
-        return self.next_plans()
+        """After every poll (see `Service`): plan, then what the routers are owed."""
+        return self.next_plans() + self.replica_records()
+
+    def replica_records(self, force: bool = False) -> list[Outgoing]:
+        """The replica's status and KV events, when due (`ReplicaPublisher`)."""
+        return self.publisher.records(
+            self.scheduler, serving=self.link.serving, num_pending=len(self.live.pending), force=force
+        )
 
     def busy(self) -> bool:
         return bool(self.link.in_flight)  # a step's result is owed
@@ -423,6 +458,8 @@ class SchedulerHandler(Service):
         if headers is None:
             headers = self._headers(event.request_id)
         self._observe(event)
+        if event.replica != self.stamp:
+            event = msgspec.structs.replace(event, replica=self.stamp)
         return Outgoing(topics.GENERATED, event, event.request_id, headers)
 
     def _headers(self, request_id: str) -> Headers:

@@ -13,14 +13,18 @@ its events read back by `recover`) to its final event; ending it is one removal
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, ValuesView
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence, ValuesView
 from dataclasses import dataclass
 from typing import Any
 
 from parkade.schemas import EngineRequest
+from parkade.schemas.routing import DEFAULT_REPLICA
 from parkade.services.bus.base import Headers
 from parkade.services.common.recent import RecentIds
 from parkade.services.scheduler.recovery import read_back
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -38,6 +42,7 @@ class LiveRequest:
     # cut), until the core resumes it with them. None: not a recovered request. A recovered one
     # was admitted before the restart, so it is never refused as overloaded.
     outputs: list[int] | None = None
+    outputs_from: int = 0  # the index of outputs[0]: > 0 for a hand-over read back (see `resume`)
     # Since when it has waited without an executor to run it (None: an executor serves it).
     waiting_since: float | None = None
     failures: int = 0  # failed steps in a row it was in
@@ -55,7 +60,25 @@ class LiveRequest:
     def num_outputs_before(self) -> int:
         """Tokens generated before a restart that the core has not taken over yet: the index of
         an event written for it before the core knows it."""
-        return len(self.outputs) if self.outputs is not None else 0
+        return self.outputs_from + len(self.outputs) if self.outputs is not None else 0
+
+    def resume(self, given: Sequence[int]) -> None:
+        """Its tokenized record is read: join `given` (the tokens it generated on other replicas
+        before it was handed over here: `EngineRequest.output_token_ids`) and what this replica's
+        log had (from `outputs_from`), into its outputs from index 0."""
+        if self.outputs is None:
+            if given:
+                self.outputs = list(given)
+            return
+        if self.outputs_from > len(given):
+            # Its first events are below the saved progress (the progress rule excludes it) or
+            # another replica's history is missing: it starts again from what is known.
+            log.error("request %s: its outputs before index %d are unknown; it starts again from %d",
+                      self.request_id, self.outputs_from, len(given))  # fmt: skip
+            self.outputs = list(given)
+        else:
+            self.outputs = [*given, *self.outputs[len(given) - self.outputs_from :]]
+        self.outputs_from = 0
 
 
 class LiveRequests(Mapping[str, LiveRequest]):
@@ -113,16 +136,17 @@ class LiveRequests(Mapping[str, LiveRequest]):
         self.pending.pop(record.request_id, None)
         self.finished.add(record.request_id, record.source)
 
-    def recover(self, start: int, messages: Iterable[object]) -> int:
+    def recover(self, start: int, messages: Iterable[object], replica: str = DEFAULT_REPLICA) -> int:
         """Read back the generated topic's records from offset `start` (see `read_back`): the
         requests that finished are remembered, the live ones get a record with their outputs
         (until their tokenized record is read again). -> how many are live."""
         self.generated_end = start
-        finished, outputs = read_back(messages, start)
+        finished, outputs = read_back(messages, start, replica)
         for request_id in finished:
             self.finished.add(request_id)
-        for request_id, tokens in outputs.items():
-            self.open(request_id).outputs = tokens  # its events start at or after `start`
+        for request_id, (first, tokens) in outputs.items():
+            record = self.open(request_id)  # its events start at or after `start`
+            record.outputs, record.outputs_from = tokens, first
         return len(outputs)
 
     def acknowledged(self, offset: int) -> None:

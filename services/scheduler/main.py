@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from parkade.schemas import topics
+from parkade.schemas.routing import DEFAULT_REPLICA, check_replica_name
 from parkade.services.bus.base import Bus
 from parkade.services.bus.runtime import run_service, service_parser
 from parkade.services.bus.serve import read_log, send_all
@@ -40,6 +42,7 @@ SERVICE_FLAGS = [
     ),
 ]
 FLAGS = [*dataclass_flags(SchedulingOptions), *SERVICE_FLAGS]
+log = logging.getLogger(__name__)
 
 
 class SchedulerService(SchedulerHandler):
@@ -47,22 +50,38 @@ class SchedulerService(SchedulerHandler):
     reading the generated topic from the saved progress up to this scheduler's announcement
     (without a saved progress, from the start)."""
 
+    bus: Bus | None = None
+    prefix = topics.DEFAULT_PREFIX
+
     async def start(self, bus: Bus, prefix: str) -> None:
+        self.bus, self.prefix = bus, prefix
         (marker,) = await send_all(bus, [self.announcement()], prefix)
         generated = topics.topic_name(topics.GENERATED, prefix)
         start = await bus.load_progress(f"{self.group_id}.progress", generated) or 0
         self.recover(start, await read_log(bus, topics.GENERATED, prefix, start, marker))
+
+    async def stop(self) -> None:
+        """A clean stop (SIGTERM) drains the replica: its last status says so, and the tokenizer
+        hands what it holds over to the other replicas at once (see the README's "Replicas")."""
+        if self.bus is None:
+            return
+        self.publisher.draining = True
+        try:
+            await send_all(self.bus, self.replica_records(force=True), self.prefix)
+        except Exception as error:  # the broker is away: the tokenizer times the replica out
+            log.warning("the draining status was not sent: %s", error)
 
 
 def build_service(args: argparse.Namespace) -> SchedulerService:
     """The service for parsed FLAGS; ValueError for settings that cannot work."""
     values = flag_values(FLAGS, args)
     service = {flag.name: values.pop(flag.name) for flag in SERVICE_FLAGS}
-    return SchedulerService(SchedulingOptions(**values), **service)
+    replica = check_replica_name(getattr(args, "replica", DEFAULT_REPLICA))
+    return SchedulerService(SchedulingOptions(**values), replica=replica, **service)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = service_parser("scheduler", __doc__)
+    parser = service_parser("scheduler", __doc__, replica=True)
     add_flags(parser, FLAGS)
     args = parser.parse_args(argv)
     return run_service("scheduler", parser, args, lambda: build_service(args))

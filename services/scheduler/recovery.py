@@ -8,25 +8,31 @@ import logging
 from collections.abc import Iterable
 
 from parkade.schemas import GeneratedBatch, GeneratedTokens
+from parkade.schemas.routing import DEFAULT_REPLICA
 
 log = logging.getLogger(__name__)
 
 
-def read_back(messages: Iterable[object], start: int) -> tuple[list[str], dict[str, list[int]]]:
-    """The generated topic's records from offset `start` (the saved progress) on ->
-    (the requests that finished, in order; the live ones' output tokens so far).
+def read_back(
+    messages: Iterable[object], start: int, replica: str = DEFAULT_REPLICA
+) -> tuple[list[str], dict[str, tuple[int, list[int]]]]:
+    """The generated topic's records from offset `start` (the saved progress) on, those of
+    `replica` only (the topic is shared) -> (the requests that finished, in order; for each live
+    one, the index of its first event read and its output tokens from there).
 
     The progress is below every live request's first event, so a live request's events start at
-    index 0 here. One whose first event read has a later index was not live at the last progress
-    (it ends further on, and is then among the finished) or lost its history (which the progress
-    rule excludes): it starts again from no output."""
+    index 0 here, or, for one handed over from another replica, at the index it took over from
+    (its tokenized record says how many tokens came before: `LiveRequest.resume`)."""
     finished: dict[str, None] = {}
-    outputs: dict[str, list[int]] = {}
-    cut: set[str] = set()  # live requests whose first events are below `start`
+    outputs: dict[str, tuple[int, list[int]]] = {}
     for message in messages:
         if isinstance(message, GeneratedBatch):
+            if (message.replica or DEFAULT_REPLICA) != replica:
+                continue
             events = message.events
         elif isinstance(message, GeneratedTokens):
+            if (message.replica or DEFAULT_REPLICA) != replica:
+                continue
             events = (message,)
         else:
             continue  # an announcement
@@ -35,15 +41,13 @@ def read_back(messages: Iterable[object], start: int) -> tuple[list[str], dict[s
             if event.finish_reason is not None:
                 finished[request_id] = None
                 outputs.pop(request_id, None)
-                cut.discard(request_id)
                 continue
-            tokens = outputs.setdefault(request_id, [])
-            if event.index > len(tokens):
-                cut.add(request_id)
+            first, tokens = outputs.setdefault(request_id, (event.index, []))
+            end = first + len(tokens)
+            if event.index > end:
+                log.error("request %s: a gap in its events at index %d; it starts again", request_id, end)
+                outputs[request_id] = (event.index, list(event.token_ids))
                 continue
             # Events of one request are in index order; one read twice overlaps.
-            tokens.extend(event.token_ids[len(tokens) - event.index :])
-    for request_id in cut & outputs.keys():
-        log.error("request %s: its first events are below offset %d; it starts again", request_id, start)
-        outputs[request_id] = []
+            tokens.extend(event.token_ids[end - event.index :])
     return list(finished), outputs

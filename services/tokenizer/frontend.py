@@ -126,6 +126,7 @@ class _Sample:
     next_index: int = 0
     text: str = ""
     finished: bool = False
+    token_ids: list[int] = field(default_factory=list)  # its outputs so far (for a hand-over)
 
 
 class RequestStream:
@@ -168,6 +169,13 @@ class RequestStream:
     def num_output_tokens(self) -> int:
         return sum(s.next_index for s in self.samples)
 
+    def output_token_ids(self, engine_request_id: str) -> tuple[int, ...]:
+        """A sample's output tokens so far."""
+        return tuple(self._by_engine_id[engine_request_id].token_ids)
+
+    def next_index_of(self, engine_request_id: str) -> int:
+        return self._by_engine_id[engine_request_id].next_index
+
     def live_engine_request_ids(self) -> tuple[str, ...]:
         return tuple(s.engine_request_id for s in self.samples if not s.finished)
 
@@ -200,6 +208,7 @@ class RequestStream:
             text = sample.detokenizer.text(finished=finish_reason is not None)
         delta, sample.text = text[len(sample.text) :], text
         sample.next_index = message.index + len(message.token_ids)
+        sample.token_ids.extend(message.token_ids)
         usage = self._finish(sample) if finish_reason is not None else None
         return StreamUpdate(
             message.index,

@@ -53,15 +53,19 @@ from parkade.schemas import (
     sample_request_id,
     topics,
 )
+from parkade.schemas.routing import DEFAULT_REPLICA, KVEvents, ReplicaStatus, RequestRouted
 from parkade.services.bus.base import Headers, Outgoing, Record
 from parkade.services.bus.serve import Service, dead_letter, rejected_letter
 from parkade.services.common import tracing
 from parkade.services.common.recent import RecentIds
 from parkade.services.tokenizer.frontend import FrontEnd, RequestStream, StreamUpdate
 from parkade.services.tokenizer.metrics import TokenizerMetrics
+from parkade.services.tokenizer.router import Router
+from parkade.services.tokenizer.routes import Routes, Unrouted
 
 # The messages of the generated topic.
 Generated = GeneratedBatch | GeneratedTokens | SchedulerAnnouncement
+Requests = GenerateRequest | AbortRequest | TokenizerAnnouncement | RequestRouted
 
 # Where a request record came from (topic, partition, offset): the same record read again is a
 # redelivery; another record with the same request id is a second request.
@@ -70,6 +74,9 @@ Source = tuple[str, int, int]
 
 # How long events wait for their request once the requests from before the start are read.
 ORPHAN_WAIT_S = 30.0
+# How long a request may wait for a replica to take it before it ends with an error.
+REPLICA_WAIT_S = 60.0
+REPLICA_CHECK_S = 0.25  # how often the replicas' liveness is looked at
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +90,10 @@ class _Open:
     # next record read).
     generated_start: int | None = None
     span: Any = None  # its detokenize span, while tracing is on
+    session_id: str | None = None  # for the router
+    # While the tokenizer reads its predecessor's log again (not caught up): the events read for
+    # it, applied once its routes are known. None: applied as they come.
+    deferred: list[tuple[GeneratedTokens, str | None]] | None = None
 
 
 @dataclass
@@ -91,7 +102,7 @@ class _Orphan:
 
     since: float  # when its first event was read
     generated_start: int | None
-    events: list[GeneratedTokens] = field(default_factory=list)
+    events: list[tuple[GeneratedTokens, str | None]] = field(default_factory=list)  # with their replica
 
 
 def tokens_out(event: TokenEvent, headers: Headers) -> Outgoing:
@@ -127,7 +138,7 @@ def token_event(request_id: str, update: StreamUpdate) -> TokenEvent:
 
 class TokenizerHandler(Service):
     group_id = "parkade-tokenizer"
-    consumes = (topics.REQUESTS, topics.GENERATED)
+    consumes = (topics.REQUESTS, topics.GENERATED, topics.KV_EVENTS)
 
     def __init__(
         self,
@@ -135,8 +146,17 @@ class TokenizerHandler(Service):
         *,
         orphan_wait_s: float = ORPHAN_WAIT_S,
         clock: Callable[[], float] = time.monotonic,
+        router: Router | None = None,
+        replica_wait_s: float = REPLICA_WAIT_S,
     ) -> None:
         self.frontend = frontend
+        # Which replica runs each sample (router.py decides, routes.py remembers); samples that
+        # wait for a replica wait `replica_wait_s` at most.
+        self.router = router if router is not None else Router(clock=clock)
+        self.routes = Routes()
+        self.replica_wait_s = replica_wait_s
+        self._next_replica_check = 0.0
+        self.kv_low: dict[str, int] = {}  # replica -> the kv-events offset a restart reads from
         self.streams: dict[str, _Open] = {}  # by the client's request id
         # The live samples' ids at the scheduler -> their request's id. A request with n == 1
         # has one sample under its own id; n > 1 samples get ids of their own
@@ -159,6 +179,7 @@ class TokenizerHandler(Service):
     def enable_metrics(self) -> TokenizerMetrics:
         """Measure from now on (the service serves them with --metrics-port)."""
         self.metrics = TokenizerMetrics()
+        self.metrics.watch_router(self.router)
         return self.metrics
 
     def announcement(self) -> Outgoing:
@@ -167,11 +188,26 @@ class TokenizerHandler(Service):
         return Outgoing(topics.REQUESTS, TokenizerAnnouncement(tokenizer_id=self.tokenizer_id))
 
     def on_record(
-        self, message: GenerateRequest | AbortRequest | TokenizerAnnouncement | Generated, record: Record
+        self, message: Requests | Generated | ReplicaStatus | KVEvents, record: Record
     ) -> list[Outgoing]:
-        if isinstance(message, GenerateRequest | AbortRequest | TokenizerAnnouncement):
+        if isinstance(message, ReplicaStatus | KVEvents):
+            return self.on_replica(message, record.offset)
+        if isinstance(message, GenerateRequest | AbortRequest | TokenizerAnnouncement | RequestRouted):
             return self.on_request(message, record.headers, (record.topic, record.partition, record.offset))
         return self.on_generated(message, record.offset)
+
+    def on_replica(self, message: ReplicaStatus | KVEvents, offset: int | None = None) -> list[Outgoing]:
+        """The kv-events topic: the router's view of the replicas. A restart reads it again from
+        each replica's last snapshot (`low_watermarks`)."""
+        if isinstance(message, ReplicaStatus):
+            self.router.on_status(message)
+        else:
+            self.router.on_kv_events(message)
+        if offset is not None and (
+            message.replica not in self.kv_low or (isinstance(message, KVEvents) and message.snapshot)
+        ):
+            self.kv_low[message.replica] = offset
+        return []
 
     def on_bad_record(self, record: Record, error: Exception) -> list[Outgoing]:
         """A record that cannot be decoded goes to the dead-letter topic; a request record's
@@ -194,7 +230,7 @@ class TokenizerHandler(Service):
         return out
 
     def after_batch(self) -> list[Outgoing]:
-        return self.check_orphans()
+        return self.check_orphans() + self.check_replicas()
 
     def on_request(
         self,
@@ -209,7 +245,14 @@ class TokenizerHandler(Service):
             if message.tokenizer_id == self.tokenizer_id and self.caught_up_at is None:
                 self.caught_up_at = self.clock()
                 log.info("read back its own announcement: every request from before its start is known")
+                return self._resume_deferred()
             return []  # another's: an earlier tokenizer's, read again
+        if isinstance(message, RequestRouted):
+            if message.tokenizer_id != self.tokenizer_id:  # a predecessor's decision, read again
+                request_id = self.engine_ids.get(message.request_id)
+                if request_id is not None:
+                    self.routes.add(message.request_id, request_id, message.replica, message.from_index)
+            return []
         request_id = message.request_id
         if isinstance(message, AbortRequest):
             open_ = self.streams.get(request_id)
@@ -284,24 +327,163 @@ class TokenizerHandler(Service):
         if self.metrics is not None:
             self.metrics.requests.inc()
         open_ = self.streams[request_id] = _Open(stream, headers, source, self.generated_position)
+        open_.session_id = message.session_id
         for engine_id in stream.engine_request_ids:
             self.engine_ids[engine_id] = request_id
-        # Sample 0 first: the later samples find its prompt blocks in the prefix cache.
-        requests = [Outgoing(topics.TOKENIZED, r, request_id, headers) for r in stream.engine_requests]
         orphans = [o for e in stream.engine_request_ids if (o := self.orphans.pop(e, None)) is not None]
-        if not orphans:
-            return requests
-        # Read again after a restart: its events so far go out again (the client drops what it
-        # has), and the scheduler hears of it again (it drops what it knows).
-        starts = [x for o in orphans for x in (o.generated_start, open_.generated_start) if x is not None]
-        open_.generated_start = min(starts, default=None)
+        if orphans:
+            starts = [x for o in orphans for x in (o.generated_start, open_.generated_start) if x is not None]
+            open_.generated_start = min(starts, default=None)
+        if self.caught_up_at is None:
+            # Read again after a restart: its routes may follow in the journal; it waits until
+            # this tokenizer has read everything from before its start (`_resume_deferred`).
+            open_.deferred = [event for o in orphans for event in o.events]
+            return []
         out: list[Outgoing] = []
         for orphan in orphans:
-            for event in orphan.events:
-                out += self._tokens_or_error(event)
+            for event, replica in orphan.events:
+                out += self._tokens_or_error(event, replica)
         if request_id in self.streams:
-            out += requests
+            out += self._send_samples(open_)
         return out
+
+    def _resume_deferred(self) -> list[Outgoing]:
+        """Caught up after a restart: every stream read again gets its events so far (those of
+        its routes' replicas; the client drops what it has), and each live sample goes again to
+        the replica that has it (which drops what it knows), or is routed now."""
+        out: list[Outgoing] = []
+        for request_id, open_ in list(self.streams.items()):
+            events, open_.deferred = open_.deferred, None
+            for event, replica in events or ():
+                out += self._tokens_or_error(event, replica)
+            if request_id in self.streams:
+                out += self._send_samples(open_)
+        return out
+
+    def _send_samples(self, open_: _Open) -> list[Outgoing]:
+        """Each live sample to its replica: the one its route names (sent again: it drops a
+        request it knows), else the router's choice. Sample 0 first: the later samples find its
+        prompt blocks in the prefix cache."""
+        out: list[Outgoing] = []
+        stream = open_.stream
+        for request in stream.engine_requests:
+            engine_id = request.request_id
+            if engine_id not in stream.live_engine_request_ids():
+                continue
+            route = self.routes.get(engine_id)
+            if route is not None and route.segments:
+                replica, start = route.segments[-1]
+                given = stream.output_token_ids(engine_id)[:start]
+                if start and len(given) < start:  # its tokens before the hand-over are not known here
+                    given = stream.output_token_ids(engine_id)
+                    out += self._hand_over(engine_id, open_, replica)
+                    continue
+                self.router.opened(replica, route.prompt_blocks)
+                resent = msgspec.structs.replace(request, output_token_ids=given) if given else request
+                out.append(self._to_replica(replica, resent, open_.stream.request_id, open_.headers))
+                continue
+            self.routes.unrouted[engine_id] = Unrouted(
+                request, stream.request_id, open_.headers, self.clock()
+            )
+        return out + self._route_waiting()
+
+    # ---- replicas --------------------------------------------------------------------------
+    def check_replicas(self) -> list[Outgoing]:
+        """After every poll, each REPLICA_CHECK_S: the samples of a replica that is gone (no
+        status for the router's timeout, draining, or without an executor that long) are handed
+        over; samples that wait are routed while a replica can take them, and answered with an
+        error once they waited `replica_wait_s`."""
+        now = self.clock()
+        if now < self._next_replica_check or self.caught_up_at is None:
+            return []
+        self._next_replica_check = now + REPLICA_CHECK_S
+        out: list[Outgoing] = []
+        for name, state in list(self.router.replicas.items()):
+            if self.router.available(state):
+                continue
+            for engine_id in self.routes.on(name):
+                route = self.routes.get(engine_id)
+                open_ = self.streams.get(route.request_id) if route is not None else None
+                if open_ is not None and engine_id not in self.routes.unrouted:
+                    out += self._hand_over(engine_id, open_, name)
+        out += self._route_waiting()
+        for waiting in list(self.routes.unrouted.values()):
+            if now - waiting.since >= self.replica_wait_s and waiting.request_id in self.streams:
+                error = f"no engine replica could take this request for {self.replica_wait_s:g} s"
+                out += self._end_request(waiting.request_id, error, ErrorKind.UNAVAILABLE)
+        return out
+
+    def _hand_over(self, engine_id: str, open_: _Open, old: str) -> list[Outgoing]:
+        """Move a sample off replica `old`: it is aborted there (a replica that comes back drops
+        it), and waits to be routed with the tokens it has so far (the next replica recomputes
+        them and goes on at the next index: nothing skipped or repeated)."""
+        stream = open_.stream
+        route = self.routes.get(engine_id)
+        assert route is not None
+        self.router.closed(old, route.prompt_blocks, route.started)
+        given = stream.output_token_ids(engine_id)
+        request = next(r for r in stream.engine_requests if r.request_id == engine_id)
+        resumed = msgspec.structs.replace(request, output_token_ids=given)
+        self.routes.unrouted[engine_id] = Unrouted(resumed, stream.request_id, open_.headers, self.clock())
+        log.warning(
+            "replica %s is gone: request %s goes on elsewhere after %d tokens", old, engine_id, len(given),
+            extra={"request_id": stream.request_id, "replica": old},
+        )  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.handovers.inc()
+        finish = FinishRequest(request_id=engine_id, reason=FinishReason.ABORT)
+        return [self._to_replica(old, finish, stream.request_id, open_.headers)]
+
+    def _route_waiting(self) -> list[Outgoing]:
+        """Send the samples that wait, in arrival order, while a replica can take them."""
+        out: list[Outgoing] = []
+        for engine_id, waiting in list(self.routes.unrouted.items()):
+            open_ = self.streams.get(waiting.request_id)
+            if open_ is None:
+                del self.routes.unrouted[engine_id]
+                continue
+            request = waiting.request
+            tokens = (*request.prompt_token_ids, *request.output_token_ids)
+            decision = self.router.route(tokens, cache_salt=request.cache_salt, session_id=open_.session_id)
+            if decision is None:
+                break  # no replica now: they all wait
+            del self.routes.unrouted[engine_id]
+            start = len(request.output_token_ids)
+            route = self.routes.add(engine_id, waiting.request_id, decision.replica, start)
+            route.prompt_blocks = decision.prompt_blocks - decision.predicted_blocks
+            self.router.opened(decision.replica, route.prompt_blocks)
+            if self.metrics is not None:
+                self.metrics.routed(decision.replica, decision.predicted_blocks)
+            if tracing.enabled():
+                attributes = {
+                    "parkade.request_id": waiting.request_id,
+                    "parkade.replica": decision.replica,
+                    "parkade.router": decision.policy,
+                    "parkade.predicted_hit_blocks": decision.predicted_blocks,
+                    "parkade.prompt_blocks": decision.prompt_blocks,
+                }
+                tracing.start_span("route", waiting.headers, attributes=attributes).end()
+            routed = RequestRouted(
+                request_id=engine_id,
+                replica=decision.replica,
+                from_index=start,
+                tokenizer_id=self.tokenizer_id,
+            )
+            # The journal first: a restart that finds it sends the sample there again; one that
+            # found the sample sent and no journal could route it a second time elsewhere.
+            out.append(Outgoing(topics.REQUESTS, routed, waiting.request_id))
+            out.append(self._to_replica(decision.replica, request, waiting.request_id, waiting.headers))
+        return out
+
+    def _end_request(self, request_id: str, error: str, kind: ErrorKind) -> list[Outgoing]:
+        """End a request with an error event; its samples that run somewhere are aborted."""
+        open_ = self.streams[request_id]
+        samples = [e for e in open_.stream.live_engine_request_ids() if e not in self.routes.unrouted]
+        self._close(request_id)
+        return [
+            error_event(request_id, error, kind, open_.headers, open_.stream.next_index),
+            *self._finish_samples(request_id, samples, open_.headers),
+        ]
 
     def low_watermarks(self) -> dict[str, int]:
         """What a restart must read again (see the module): the open streams' request records,
@@ -320,6 +502,8 @@ class TokenizerHandler(Service):
         ]
         if starts:
             out[topics.GENERATED] = min(starts)
+        if self.kv_low:
+            out[topics.KV_EVENTS] = min(self.kv_low.values())
         return out
 
     def check_orphans(self) -> list[Outgoing]:
@@ -334,13 +518,14 @@ class TokenizerHandler(Service):
                 continue
             del self.orphans[request_id]
             self.finished.add(request_id)  # a request with this id from now on is a new one
-            if any(e.finish_reason is not None for e in orphan.events):
+            if any(e.finish_reason is not None for e, _ in orphan.events):
                 continue
             reason = "the tokenizer lost this request's state (restarted)"
             finish = FinishRequest(request_id=request_id, reason=FinishReason.ABORT)
-            index = orphan.events[0].index if orphan.events else 0
+            index = orphan.events[0][0].index if orphan.events else 0
+            replica = (orphan.events[-1][1] if orphan.events else None) or DEFAULT_REPLICA
             out.append(error_event(request_id, reason, ErrorKind.UNAVAILABLE, index=index))
-            out.append(Outgoing(topics.TOKENIZED, finish, request_id))
+            out.append(self._to_replica(replica, finish, request_id, ()))
         return out
 
     def on_generated(self, message: Generated, offset: int | None = None) -> list[Outgoing]:
@@ -356,16 +541,17 @@ class TokenizerHandler(Service):
             return self.on_scheduler_announcement(message)
         if isinstance(message, GeneratedBatch):
             out: list[Outgoing] = []
+            replica = message.replica or DEFAULT_REPLICA
             for event in message.events:
-                out += self._tokens_or_error(event)
+                out += self._tokens_or_error(event, replica)
             return out
-        return self.on_tokens(message)
+        return self.on_tokens(message, message.replica or DEFAULT_REPLICA)
 
-    def _tokens_or_error(self, event: GeneratedTokens) -> list[Outgoing]:
+    def _tokens_or_error(self, event: GeneratedTokens, replica: str | None = None) -> list[Outgoing]:
         """One event of a step's batch: a failure ends that request only (error event, and the
         scheduler stops it), never the other requests of the step."""
         try:
-            return self.on_tokens(event)
+            return self.on_tokens(event, replica)
         except Exception as error:
             request_id = self.engine_ids.get(event.request_id, event.request_id)
             open_ = self.streams.get(request_id)
@@ -406,7 +592,9 @@ class TokenizerHandler(Service):
             )
         return out
 
-    def on_tokens(self, message: GeneratedTokens) -> list[Outgoing]:
+    def on_tokens(self, message: GeneratedTokens, replica: str | None = None) -> list[Outgoing]:
+        """`replica`: the one that wrote the event (None: made here, for a sample no replica
+        holds)."""
         engine_id = message.request_id
         request_id = self.engine_ids.get(engine_id)
         open_ = self.streams.get(request_id) if request_id is not None else None
@@ -419,8 +607,17 @@ class TokenizerHandler(Service):
             if orphan is None:
                 start = None if self.generated_position is None else self.generated_position - 1
                 orphan = self.orphans[engine_id] = _Orphan(self.clock(), start)
-            orphan.events.append(message)
+            orphan.events.append((message, replica))
             return []
+        if open_.deferred is not None:
+            open_.deferred.append((message, replica))
+            return []
+        if not self.routes.accepts(engine_id, replica, message.index):
+            return []  # from a replica that no longer runs it (handed over)
+        route = self.routes.get(engine_id)
+        if route is not None and not route.started and replica is not None:
+            route.started = True
+            self.router.first_token(route.replica, route.prompt_blocks, message.num_cached_tokens)
         update = open_.stream.update(message)
         if update is None:
             return []  # a redelivered message
@@ -433,7 +630,12 @@ class TokenizerHandler(Service):
             finish = FinishRequest(
                 request_id=engine_id, reason=FinishReason.STOP, stop_reason=str(update.stop_reason)
             )
-            out.append(Outgoing(topics.TOKENIZED, finish, request_id, open_.headers))
+            out += self._finish_at_replica(engine_id, finish, request_id, open_.headers)
+        elif update.finish_reason is not None and route is not None and route.replica != replica:
+            # It ended on a replica it was handed over from (it finished before the hand-over
+            # was read there): the one it was handed to stops too.
+            finish = FinishRequest(request_id=engine_id, reason=FinishReason.ABORT)
+            out += self._finish_at_replica(engine_id, finish, request_id, open_.headers)
         out += self._finish_samples(request_id, update.cancel, open_.headers)  # the request failed
         if open_.stream.finished:
             self._close(request_id)
@@ -470,15 +672,42 @@ class TokenizerHandler(Service):
         reason = f"an event of this request could not be sent: {error}"
         return [*out_, error_event(request_id, reason, ErrorKind.INTERNAL, out.headers, message.index)]
 
+    def _finish_samples(self, request_id: str, engine_ids: Sequence[str], headers: Headers) -> list[Outgoing]:
+        """Abort these samples at their replicas (each answers with its final event; one that
+        waits for a replica is answered here)."""
+        out: list[Outgoing] = []
+        for engine_id in engine_ids:
+            finish = FinishRequest(request_id=engine_id, reason=FinishReason.ABORT)
+            out += self._finish_at_replica(engine_id, finish, request_id, headers)
+        return out
+
+    def _finish_at_replica(
+        self, engine_id: str, finish: FinishRequest, request_id: str, headers: Headers
+    ) -> list[Outgoing]:
+        """A FinishRequest to the replica that runs the sample. A sample no replica holds yet
+        gets its final event here."""
+        if self.routes.unrouted.pop(engine_id, None) is None:
+            replica = self.routes.replica(engine_id) or DEFAULT_REPLICA
+            return [self._to_replica(replica, finish, request_id, headers)]
+        # (A sample handed over and not re-routed yet: its old replica had its abort already.)
+        open_ = self.streams.get(request_id)
+        if open_ is None:
+            return []
+        index = open_.stream.next_index_of(engine_id)
+        final = GeneratedTokens(
+            request_id=engine_id,
+            index=index,
+            token_ids=(),
+            finish_reason=finish.reason,
+            stop_reason=finish.stop_reason,
+        )
+        return self.on_tokens(final)
+
     @staticmethod
-    def _finish_samples(request_id: str, engine_ids: Sequence[str], headers: Headers) -> list[Outgoing]:
-        """Abort these samples at the scheduler (each answers with its final event)."""
-        return [
-            Outgoing(
-                topics.TOKENIZED, FinishRequest(request_id=e, reason=FinishReason.ABORT), request_id, headers
-            )
-            for e in engine_ids
-        ]
+    def _to_replica(
+        replica: str, message: EngineRequest | FinishRequest, key: str, headers: Headers
+    ) -> Outgoing:
+        return Outgoing(topics.replica_topic(topics.TOKENIZED, replica), message, key, headers)
 
     def _close(self, request_id: str) -> None:
         open_ = self.streams.pop(request_id)
@@ -488,5 +717,8 @@ class TokenizerHandler(Service):
         self.finished.add(request_id, open_.source)
         for engine_id in open_.stream.engine_request_ids:
             self.engine_ids.pop(engine_id, None)
+            route = self.routes.forget(engine_id)
+            if route is not None and route.segments:
+                self.router.closed(route.replica, route.prompt_blocks, route.started)
             if engine_id != request_id:
                 self.finished.add(engine_id, open_.source)

@@ -129,7 +129,13 @@ def test_each_topic_decodes_its_own_union_and_refuses_others():
         topics.TOKENS,
         topics.DEAD_LETTER,
         topics.INSTANCES,
+        topics.KV_EVENTS,
     }
+    # A replica's own topics carry what the plain ones do.
+    plan_decoder = topics.TopicDecoder(topics.replica_topic(topics.STEP_PLANS, "7"))
+    assert plan_decoder.msgpack.type is topics.TOPIC_TYPES[topics.STEP_PLANS]
+    assert topics.replica_topic(topics.TOKENIZED, "0") == topics.TOKENIZED
+    assert topics.replica_topic(topics.TOKENIZED, "b-2") == "replica-b-2.tokenized"
 
 
 def test_the_published_json_schemas_match_the_wire_types():

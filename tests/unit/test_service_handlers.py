@@ -47,7 +47,7 @@ def test_tokenizer_handler_is_idempotent_and_reports_errors(stories_frontend, st
     request = GenerateRequest(
         request_id="r", prompt="Once upon", sampling_params=SamplingParams(max_tokens=3)
     )
-    (out,) = handler.on_request(request, (("traceparent", b"00-x"),))
+    (out,) = routed(handler.on_request(request, (("traceparent", b"00-x"),)))
     assert out.topic == topics.TOKENIZED and out.message.prompt_token_ids == tuple(
         stories_tokenizer.encode("Once upon")
     )
@@ -66,8 +66,10 @@ def test_tokenizer_handler_is_idempotent_and_reports_errors(stories_frontend, st
     (bad,) = handler.on_request(GenerateRequest(request_id="big", prompt_token_ids=(1, 999)))
     assert bad.message.finish_reason == "error" and "[0, 512)" in bad.message.error
     assert bad.message.error_kind == ErrorKind.INVALID_REQUEST  # the gateway answers 400
-    (chat,) = handler.on_request(
-        GenerateRequest(request_id="c", messages=(ChatMessage(role="user", content="hi"),))
+    (chat,) = routed(
+        handler.on_request(
+            GenerateRequest(request_id="c", messages=(ChatMessage(role="user", content="hi"),))
+        )
     )
     assert chat.message.prompt_token_ids == tuple(stories_tokenizer.encode("hi"))  # Parkade's template
 
@@ -126,7 +128,7 @@ def test_chat_messages_use_the_models_chat_template(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(model))
     handler = TokenizerHandler(FrontEnd.from_options(TokenizerOptions(model=model)))
     messages = (ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hello"))
-    (out,) = handler.on_request(GenerateRequest(request_id="c", messages=messages))
+    (out,) = routed(handler.on_request(GenerateRequest(request_id="c", messages=messages)))
     chat = [{"role": m.role, "content": m.content} for m in messages]
     text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert "Hello" in text and out.message.prompt_token_ids == tuple(
@@ -148,6 +150,13 @@ def test_tokenizer_handler_stops_the_scheduler_when_a_stop_string_matches(
     assert finish == [FinishRequest(request_id="r", reason=FinishReason.STOP, stop_reason="girl named")]
     text = "".join(o.message.text for o in outs if o.topic == topics.TOKENS)
     assert text == " there was a little "
+
+
+def routed(out):
+    """The records a tokenizer sent, without its routing journal (RequestRouted)."""
+    from parkade.schemas import RequestRouted
+
+    return [o for o in out if not isinstance(o.message, RequestRouted)]
 
 
 def announce(executor_id="e1", num_blocks=64):
@@ -371,7 +380,7 @@ def test_a_restarted_tokenizer_rebuilds_its_streams_from_the_log(stories_fronten
     request = GenerateRequest(request_id="r", prompt="Once upon", sampling_params=params)
     events = [GeneratedTokens(request_id="r", index=i, token_ids=(t,)) for i, t in enumerate(ids)]
     first = TokenizerHandler(stories_frontend)
-    (engine,) = first.on_request(request, (), (topics.REQUESTS, 0, 4))
+    (engine,) = routed(first.on_request(request, (), (topics.REQUESTS, 0, 4)))
     full = []
     for offset, event in enumerate(events, start=10):
         full += first.on_generated(event, offset)
@@ -484,7 +493,30 @@ def test_recover_tells_a_request_that_ended_in_the_window_from_one_whose_history
     live = [GeneratedTokens(request_id="z", index=0, token_ids=(8, 9))]
     handler.recover(100, [GeneratedBatch(events=(*ended_late, *cut, *live))])
     assert "x" in handler.live.finished and "x" not in handler.live
-    assert {r.request_id: r.outputs for r in handler.live.values()} == {"y": [], "z": [8, 9]}
+    recovered = {r.request_id: (r.outputs_from, r.outputs) for r in handler.live.values()}
+    assert recovered == {"y": (3, [4]), "z": (0, [8, 9])}
+    handler.live["y"].resume(())  # its tokenized record names no tokens from elsewhere: cut
+    assert handler.live["y"].outputs == [] and handler.live["y"].num_outputs_before == 0
+
+
+def test_a_request_handed_over_joins_the_tokens_from_elsewhere_and_its_own_log():
+    handler = SchedulerHandler(SchedulingOptions(), replica="b")
+    assert handler.consumes == ("replica-b.tokenized", "replica-b.step-results")
+    handler.recover(
+        0,
+        [
+            GeneratedBatch(events=(GeneratedTokens(request_id="h", index=3, token_ids=(4, 5)),), replica="b"),
+            GeneratedBatch(events=(GeneratedTokens(request_id="o", index=0, token_ids=(1,)),), replica="a"),
+            GeneratedTokens(request_id="p", index=0, token_ids=(1,)),  # replica 0's
+        ],
+    )
+    assert set(handler.live) == {"h"}
+    handler.live["h"].resume((9, 9, 9))  # 3 tokens came from the replica before
+    assert handler.live["h"].outputs == [9, 9, 9, 4, 5]
+    fresh = SchedulerHandler(SchedulingOptions(), replica="c")
+    fresh.on_announcement(announce("e1"))
+    fresh.on_tokenized(msgspec.structs.replace(engine_request("n", max_tokens=8), output_token_ids=(3, 4)))
+    assert fresh.scheduler.requests["n"].num_output_tokens == 2
 
 
 def test_a_restarted_scheduler_resumes_each_request_at_its_next_index():
@@ -544,7 +576,9 @@ def test_the_service_path_stamps_each_request_with_its_arrival(stories_frontend)
 
     handler = TokenizerHandler(stories_frontend)
     before = time.time()
-    sent = [handler.on_request(GenerateRequest(request_id=rid, prompt="Once"))[0].message for rid in "cba"]
+    sent = [
+        routed(handler.on_request(GenerateRequest(request_id=rid, prompt="Once")))[0].message for rid in "cba"
+    ]
     times = [request.arrival_time for request in sent]
     assert before <= times[0] < times[1] < times[2] <= time.time()
 
@@ -841,7 +875,7 @@ def test_the_tokenizer_answers_for_its_refused_records(stories_frontend):
     from parkade.services.bus.base import RecordRejected
 
     handler = TokenizerHandler(stories_frontend)
-    (forward,) = handler.on_request(GenerateRequest(request_id="r", prompt="Once upon"))
+    (forward,) = routed(handler.on_request(GenerateRequest(request_id="r", prompt="Once upon")))
     (event,) = handler.on_send_error(forward, RecordRejected("MessageSizeTooLargeError: 3 MB"))
     assert event.topic == topics.TOKENS and event.message.finish_reason == FinishReason.ERROR
     assert "could not be forwarded: MessageSizeTooLargeError: 3 MB" in event.message.error
@@ -900,7 +934,7 @@ def test_a_second_request_with_an_id_in_use_or_just_used_gets_an_error_event(sto
     handler = TokenizerHandler(stories_frontend)
     request = GenerateRequest(request_id="r", prompt="Once", sampling_params=SamplingParams(max_tokens=1))
     first, second = ("requests", 0, 7), ("requests", 0, 9)
-    (forward,) = handler.on_request(request, (("traceparent", b"00-a"),), first)
+    (forward,) = routed(handler.on_request(request, (("traceparent", b"00-a"),), first))
     assert forward.topic == topics.TOKENIZED
     assert handler.on_request(request, (("traceparent", b"00-a"),), first) == []  # redelivered
     (live,) = handler.on_request(request, (("traceparent", b"00-b"),), second)
@@ -917,7 +951,9 @@ def test_the_tokenizer_fans_a_request_out_into_samples_and_gathers_their_events(
 ):
     handler = TokenizerHandler(stories_frontend)
     params = SamplingParams(n=3, seed=5, max_tokens=4, stop=["girl"])
-    out = handler.on_request(GenerateRequest(request_id="r", prompt="Once upon", sampling_params=params))
+    out = routed(
+        handler.on_request(GenerateRequest(request_id="r", prompt="Once upon", sampling_params=params))
+    )
     samples = [o.message for o in out]
     assert [s.request_id for s in samples] == ["r#0", "r#1", "r#2"] and {o.key for o in out} == {"r"}
     assert [s.sampling_params.seed for s in samples] == [5, 6, 7] and samples[1].sampling_params.n == 1
@@ -985,7 +1021,8 @@ def test_a_restarted_tokenizer_rebuilds_a_request_with_samples(stories_frontend)
     out = handler.on_request(request, (), (topics.REQUESTS, 0, 4))
     tokens = [o.message for o in out if o.topic == topics.TOKENS]
     assert [(e.sample_index, e.index) for e in tokens] == [(0, 0), (0, 1), (1, 0)]  # in order per sample
-    assert [o.message.request_id for o in out if o.topic == topics.TOKENIZED] == ["r#0", "r#1"]
+    # Sample 0 ended meanwhile: only sample 1 goes to the scheduler again.
+    assert [o.message.request_id for o in out if o.topic == topics.TOKENIZED] == ["r#1"]
     assert handler.low_watermarks()[topics.GENERATED] == 10 and not handler.orphans
     (last,) = handler.on_generated(
         GeneratedTokens(request_id="r#1", index=1, token_ids=(8,), finish_reason=FinishReason.LENGTH), 13
@@ -1001,7 +1038,7 @@ def test_what_a_request_on_the_topics_may_not_ask(stories_frontend, monkeypatch)
     assert refused.message.finish_reason == "error"
     assert "--trust-request-chat-template" in refused.message.error
     trusting = TokenizerHandler(FrontEnd.from_options(TokenizerOptions(trust_request_chat_template=True)))
-    (accepted,) = trusting.on_request(templated)
+    (accepted,) = routed(trusting.on_request(templated))
     assert accepted.topic == topics.TOKENIZED
     # The bound as it would be for a model longer than this one's 512 positions.
     monkeypatch.setattr("parkade.services.tokenizer.frontend.MAX_WIRE_PROMPT_LOGPROB_ENTRIES", 5_000)
@@ -1014,7 +1051,7 @@ def test_what_a_request_on_the_topics_may_not_ask(stories_frontend, monkeypatch)
     small_ask = GenerateRequest(
         request_id="q", prompt_token_ids=long_prompt, sampling_params=SamplingParams(prompt_logprobs=1)
     )
-    (ok,) = handler.on_request(small_ask)
+    (ok,) = routed(handler.on_request(small_ask))
     assert ok.topic == topics.TOKENIZED
 
 
