@@ -75,16 +75,28 @@ SERVICE_FLAGS: dict[str, list[Flag]] = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # A setting several services take (model, max_model_len, ...) is one flag, in its first group.
     seen: set[str] = set()
+    routing = {f.name for f in tokenizer_main.ROUTER_FLAGS}
     for group, service in (
         ("model", "tokenizer"),
+        ("routing (tokenizer)", "tokenizer"),
         ("executor (KV pool, device)", "executor"),
         ("scheduler (batching, admission)", "scheduler"),
         ("gateway (OpenAI HTTP API)", "gateway"),
     ):
         flags = [f for f in SERVICE_FLAGS[service] if f.name not in seen]
+        if service == "tokenizer":
+            flags = [f for f in flags if (f.name in routing) == group.startswith("routing")]
         seen.update(f.name for f in flags)
         add_flags(parser.add_argument_group(group), flags)
     local = parser.add_argument_group("this machine")
+    local.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engine replicas: a scheduler and an executor each, with its own KV pool, named 0..N-1; the "
+        "tokenizer routes each request to one (--router) and hands a lost replica's requests over "
+        "(default: 1)",
+    )
     local.add_argument("--topic-prefix", default=DEFAULT_PREFIX, help=f"(default: {DEFAULT_PREFIX})")
     local.add_argument(
         "--port", type=int, default=None, help="port of the local broker (default: a free one)"
@@ -113,6 +125,8 @@ def service_argv(name: str, args: argparse.Namespace) -> list[str]:
 
 def check(args: argparse.Namespace) -> str | None:
     """What is wrong with the settings, in one line, before anything starts; None if nothing."""
+    if args.replicas < 1:
+        return f"--replicas must be >= 1, got {args.replicas}"
     try:
         check_model_folder(args.model, tokenizer=args.tokenizer is None)
         if args.tokenizer is not None:
@@ -169,9 +183,12 @@ class Child:
     pump: asyncio.Task[None] | None = None
     cmd: list[str] = field(default_factory=list)
     restarts: int = 0  # of this service, this run
+    service: str = ""  # what its READY line names (replica R's scheduler: `scheduler`, named scheduler-R)
 
     @classmethod
-    async def start(cls, name: str, cmd: list[str], log_dir: Path, *, restarts: int = 0) -> Child:
+    async def start(
+        cls, name: str, cmd: list[str], log_dir: Path, *, restarts: int = 0, service: str | None = None
+    ) -> Child:
         proc = await asyncio.create_subprocess_exec(
             *cmd,
             stdin=asyncio.subprocess.DEVNULL,
@@ -182,7 +199,7 @@ class Child:
             preexec_fn=_die_with_parent,
             limit=2**20,  # longest output line
         )
-        child = cls(name, proc, log_dir / f"{name}.log", cmd=cmd, restarts=restarts)
+        child = cls(name, proc, log_dir / f"{name}.log", cmd=cmd, restarts=restarts, service=service or name)
         child.pump = asyncio.create_task(child._pump())
         return child
 
@@ -196,8 +213,8 @@ class Child:
                 log.write(line + "\n")
                 log.flush()
                 self.tail.append(line)
-                if line.split()[:2] == ["READY", self.name]:
-                    self.ready_detail = line.strip()[len(f"READY {self.name}") :].strip()
+                if line.split()[:2] == ["READY", self.service]:
+                    self.ready_detail = line.strip()[len(f"READY {self.service}") :].strip()
                     self.ready.set()
 
     async def exited(self) -> int:
@@ -264,8 +281,9 @@ async def _serve(args: argparse.Namespace, children: list[Child], stop: asyncio.
         return stop.is_set()
     services = []
     for name in SERVICES:
-        services.append(await Child.start(name, _service_cmd(name, bootstrap, args), log_dir))
-        children.append(services[-1])
+        for child_name, cmd in _service_cmds(name, bootstrap, args):
+            services.append(await Child.start(child_name, cmd, log_dir, service=name))
+            children.append(services[-1])
     if not await _until(_all_ready(services), stop, args.ready_timeout):
         return stop.is_set()
     state = {
@@ -321,7 +339,9 @@ async def _supervise(children: list[Child], log_dir: Path, state: dict) -> bool:
                 flush=True,
             )
             await asyncio.sleep(wait_s)
-            fresh = await Child.start(child.name, child.cmd, log_dir, restarts=child.restarts + 1)
+            fresh = await Child.start(
+                child.name, child.cmd, log_dir, restarts=child.restarts + 1, service=child.service
+            )
             children[children.index(child)] = fresh
             started[child.name] = loop.time()
             state["pids"][child.name] = fresh.proc.pid
@@ -399,6 +419,15 @@ async def _external_broker_up(bootstrap: str, wait_s: float) -> bool:
         )
         return False
     return True
+
+
+def _service_cmds(name: str, bootstrap: str, args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(child name, command) of each process of service `name`: one, or for the scheduler and
+    the executor one per engine replica (replica 0 is `scheduler`, replica R `scheduler-R`)."""
+    cmd = _service_cmd(name, bootstrap, args)
+    if name not in ("scheduler", "executor"):
+        return [(name, cmd)]
+    return [(name if r == 0 else f"{name}-{r}", [*cmd, "--replica", str(r)]) for r in range(args.replicas)]
 
 
 def _service_cmd(name: str, bootstrap: str, args: argparse.Namespace) -> list[str]:

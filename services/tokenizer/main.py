@@ -9,13 +9,53 @@ from parkade.schemas import AbortRequest, ErrorKind, GenerateRequest, topics
 from parkade.services.bus.base import Bus, Outgoing, Record
 from parkade.services.bus.runtime import run_service, service_parser
 from parkade.services.bus.serve import send_all
-from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
+from parkade.services.common.flags import Flag, add_flags, dataclass_flags, flag_values
 from parkade.services.tokenizer.frontend import FrontEnd, TokenizerOptions
-from parkade.services.tokenizer.handler import TokenizerHandler, error_event
+from parkade.services.tokenizer.handler import REPLICA_WAIT_S, TokenizerHandler, error_event
+from parkade.services.tokenizer.router import (
+    DEFAULT_BALANCE_FACTOR,
+    DEFAULT_BALANCE_SLACK,
+    DEFAULT_POLICY,
+    DEFAULT_REPLICA_TIMEOUT_S,
+    POLICIES,
+    Router,
+)
 
 log = logging.getLogger(__name__)
 
-FLAGS = dataclass_flags(TokenizerOptions)
+# The router's settings (router.py), beside the front end's options.
+ROUTER_FLAGS = [
+    Flag(
+        "router",
+        str,
+        DEFAULT_POLICY,
+        "how a request picks its engine replica: kv (fewest uncached prompt blocks plus load, behind a "
+        "load gate), round-robin, least-loaded, or session (sticky by the request's session_id)",
+        choices=POLICIES,
+    ),
+    Flag(
+        "replica_timeout_s",
+        float,
+        DEFAULT_REPLICA_TIMEOUT_S,
+        "seconds without a replica's status (or with no executor serving it) after which its requests "
+        "are handed over to another replica",
+    ),
+    Flag(
+        "replica_wait_s",
+        float,
+        REPLICA_WAIT_S,
+        "seconds a request may wait for a replica to take it before it ends with an error",
+    ),
+    Flag(
+        "balance_factor",
+        float,
+        DEFAULT_BALANCE_FACTOR,
+        "the kv router's load gate: a replica competes while its open requests are within this factor "
+        "of the lightest's (plus --balance-slack)",
+    ),
+    Flag("balance_slack", int, DEFAULT_BALANCE_SLACK, "see --balance-factor"),
+]
+FLAGS = [*dataclass_flags(TokenizerOptions), *ROUTER_FLAGS]
 
 
 class TokenizerService(TokenizerHandler):
@@ -49,14 +89,23 @@ class TokenizerService(TokenizerHandler):
         return super().on_record(message, record)
 
 
-def build_service(options: TokenizerOptions) -> TokenizerService:
-    return TokenizerService(FrontEnd.from_options(options))
+def build_service(options: TokenizerOptions, **router: Any) -> TokenizerService:
+    """The service; `router`: ROUTER_FLAGS' values (ValueError for ones that cannot work)."""
+    replica_wait_s = router.pop("replica_wait_s", REPLICA_WAIT_S)
+    if replica_wait_s <= 0:
+        raise ValueError("replica_wait_s must be > 0")
+    policy = Router(router.pop("router", DEFAULT_POLICY), **router)
+    return TokenizerService(FrontEnd.from_options(options), router=policy, replica_wait_s=replica_wait_s)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = service_parser("tokenizer", __doc__)
     add_flags(parser, FLAGS)
     args = parser.parse_args(argv)
-    return run_service(
-        "tokenizer", parser, args, lambda: build_service(TokenizerOptions(**flag_values(FLAGS, args)))
-    )
+
+    def build() -> TokenizerService:
+        values = flag_values(FLAGS, args)
+        router = {flag.name: values.pop(flag.name) for flag in ROUTER_FLAGS}
+        return build_service(TokenizerOptions(**values), **router)
+
+    return run_service("tokenizer", parser, args, build)

@@ -72,6 +72,11 @@ NON_DEFAULTS = {
 }
 
 
+ROUTER_NON_DEFAULTS = dict(
+    router="session", replica_timeout_s=2.5, replica_wait_s=12.0, balance_factor=3.0, balance_slack=9
+)
+
+
 @pytest.mark.parametrize("cls", list(NON_DEFAULTS), ids=lambda c: c.__name__)
 def test_every_option_is_listed_with_a_value_that_is_not_its_default(cls):
     values = NON_DEFAULTS[cls]
@@ -90,6 +95,7 @@ def _every_option_on_the_up_command_line() -> argparse.Namespace:
         if cls is not ExecutorOptions:  # its --model is the tokenizer's: `parkade up` takes it once
             argv += to_argv(dataclass_flags(cls), values)
     executor = {k: v for k, v in NON_DEFAULTS[ExecutorOptions].items() if k != "model"}
+    argv += to_argv(tokenizer_main.ROUTER_FLAGS, ROUTER_NON_DEFAULTS)
     return _up_args(argv + to_argv(dataclass_flags(ExecutorOptions), executor))
 
 
@@ -125,7 +131,15 @@ def test_every_executor_and_tokenizer_flag_reaches_its_service_through_parkade_u
         parser = service_parser(name, None)
         add_flags(parser, main.FLAGS)
         parsed = parser.parse_args(up.service_argv(name, args))
-        assert cls(**flag_values(main.FLAGS, parsed)) == cls(**NON_DEFAULTS[cls]), name
+        values = flag_values(main.FLAGS, parsed)
+        router = {f.name: values.pop(f.name) for f in getattr(main, "ROUTER_FLAGS", ())}
+        assert cls(**values) == cls(**NON_DEFAULTS[cls]), name
+        if name == "tokenizer":
+            assert router == ROUTER_NON_DEFAULTS
+            service = tokenizer_main.build_service(TokenizerOptions(), **router)
+            assert (service.router.policy, service.router.replica_timeout_s) == ("session", 2.5)
+            assert (service.router.balance_factor, service.router.balance_slack) == (3.0, 9)
+            assert service.replica_wait_s == 12.0
 
 
 def test_defaults_pass_nothing_on_and_offline_takes_every_engine_option():
