@@ -1,0 +1,286 @@
+"""The router (services/tokenizer/router.py) and the tokenizer's routing: policies, the load gate,
+tie breaks, KV events with pool epochs, hand-overs, and a restart that reads the journal."""
+
+from __future__ import annotations
+
+import pytest
+
+from parkade.schemas import (
+    FinishReason,
+    FinishRequest,
+    GeneratedBatch,
+    GeneratedTokens,
+    GenerateRequest,
+    KVEvents,
+    ReplicaStatus,
+    RequestRouted,
+    SamplingParams,
+    TokenizerAnnouncement,
+    topics,
+)
+from parkade.services.common.block_hash import hash_check
+from parkade.services.scheduler.block_pool import BlockPool
+from parkade.services.scheduler.config import SchedulingOptions
+from parkade.services.scheduler.handler import SchedulerHandler
+from parkade.services.tokenizer.frontend import FrontEnd, TokenizerOptions
+from parkade.services.tokenizer.handler import TokenizerHandler
+from parkade.services.tokenizer.router import Router
+
+BLOCK = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def status(name: str, clock: Clock, *, pool: str | None = None, **fields) -> ReplicaStatus:
+    values = dict(block_size=BLOCK, hash_check=hash_check(), serving=True)
+    values.update(fields)
+    return ReplicaStatus(replica=name, scheduler_id=name, pool=pool or f"{name}.1", sent_at=clock(), **values)
+
+
+def router(policy: str = "kv", names=("a", "b", "c"), **kwargs) -> tuple[Router, Clock]:
+    clock = Clock()
+    r = Router(policy, clock=clock, wall_clock=clock, seed=0, **kwargs)
+    for name in names:
+        r.on_status(status(name, clock))
+    return r, clock
+
+
+def cached(r: Router, name: str, tokens, *, seq: int = 0, pool: str | None = None) -> None:
+    blocks = tuple(r.block_hashes(tokens, BLOCK, None))
+    r.on_kv_events(
+        KVEvents(replica=name, pool=pool or f"{name}.1", seq=seq, stored=blocks, snapshot=seq == 0)
+    )
+
+
+PROMPT = list(range(100, 132))  # 8 blocks
+
+
+def test_kv_sends_a_prompt_where_its_prefix_is_cached_and_counts_it_there_at_once():
+    r, _ = router()
+    cached(r, "b", PROMPT[:24])
+    decision = r.route(PROMPT)
+    assert (decision.replica, decision.predicted_blocks, decision.prompt_blocks) == ("b", 6, 8)
+    r.opened("b", 2)
+    # The next one with the same prefix, before any KV event: b again, all 8 blocks predicted.
+    assert r.route(PROMPT).predicted_blocks == 8
+    # Another salt never matches.
+    assert r.route(PROMPT, cache_salt="tenant").predicted_blocks == 0
+
+
+def test_the_scheduler_and_the_router_hash_alike():
+    """The blocks a scheduler's pool registers (its KV events) are the router's hashes of the
+    same tokens, salt included."""
+    from parkade.schemas import EngineRequest
+    from parkade.services.scheduler.request import Request
+
+    for salt in (None, "s"):
+        request = Request(
+            EngineRequest(
+                request_id="x",
+                prompt_token_ids=tuple(PROMPT),
+                sampling_params=SamplingParams(),
+                cache_salt=salt,
+            ),
+            BLOCK,
+        )
+        r, _ = router()
+        assert [r for r in r.block_hashes(PROMPT, BLOCK, salt)] == [
+            __import__("parkade.schemas.routing", fromlist=["short_hash"]).short_hash(h)
+            for h in request.update_block_hashes()
+        ]
+
+
+def test_the_load_gate_spreads_one_hot_prefix_and_ties_are_random():
+    r, _ = router()
+    cached(r, "a", PROMPT)
+    counts = {"a": 0, "b": 0, "c": 0}
+    for _ in range(300):
+        decision = r.route(PROMPT)
+        r.opened(decision.replica, 0)
+        counts[decision.replica] += 1
+    assert max(counts.values()) / min(counts.values()) <= 1.5, counts
+    # No prefix anywhere, no load: ties, broken at random (not always the first replica).
+    fresh, _ = router()
+    assert len({fresh.route([1, 2, 3]).replica for _ in range(40)}) == 3
+
+
+def test_round_robin_least_loaded_and_session():
+    r, _ = router("round-robin")
+    assert [r.route(PROMPT).replica for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    r, _ = router("least-loaded")
+    r.opened("a", 0)
+    r.opened("b", 0)
+    assert r.route(PROMPT).replica == "c"
+    r, _ = router("session")
+    first = r.route(PROMPT, session_id="s1").replica
+    r.opened(first, 0)
+    r.opened(first, 0)
+    assert all(r.route([7], session_id="s1").replica == first for _ in range(5))
+    with pytest.raises(ValueError, match="one of"):
+        Router("random")
+
+
+def test_a_new_pool_voids_a_replicas_blocks_and_stale_events_are_dropped():
+    r, clock = router()
+    cached(r, "b", PROMPT)
+    assert r.route(PROMPT).replica == "b"
+    clock.now += 1
+    r.on_status(status("b", clock, pool="b.2"))  # restarted: its cache is empty
+    state = r.replicas["b"]
+    assert not state.blocks and not state.predicted
+    cached(r, "b", PROMPT, seq=3, pool="b.1")  # an old pool's delta read late: ignored
+    assert not state.blocks
+    r.on_kv_events(KVEvents(replica="b", pool="b.2", seq=0, stored=(1, 2), snapshot=True))
+    r.on_kv_events(KVEvents(replica="b", pool="b.2", seq=1, stored=(3,), removed=(1,)))
+    r.on_kv_events(KVEvents(replica="b", pool="b.2", seq=1, stored=(9,)))  # read again
+    assert state.blocks == {2, 3}
+
+
+def test_replicas_that_are_silent_draining_without_an_executor_or_hashing_otherwise():
+    r, clock = router(replica_timeout_s=5)
+    clock.now += 3
+    r.on_status(status("a", clock))
+    r.on_status(status("b", clock, draining=True))
+    r.on_status(status("c", clock, hash_check=123))  # another hash: routed by load only
+    assert [s.name for s in r.candidates()] == ["a", "c"]
+    cached(r, "c", PROMPT)
+    assert r.route(PROMPT).predicted_blocks == 0 or r.route(PROMPT).replica == "a"
+    clock.now += 4  # a heard 4 s ago, c too: both alive
+    r.on_status(status("c", clock, serving=False))
+    assert [s.name for s in r.candidates()] == ["a"]  # serving ones first
+    clock.now += 2.5  # a silent for 6.5 s: gone; c alive, without an executor
+    assert r.candidates() == [r.replicas["c"]] and not r.available(r.replicas["a"])
+    clock.now += 10
+    assert r.route(PROMPT) is None  # nobody: the request waits
+
+
+def test_a_scheduler_publishes_its_status_and_the_blocks_its_pool_caches():
+    clock = Clock()
+    handler = SchedulerHandler(SchedulingOptions(), replica="b", clock=clock)
+    handler.publisher.clock = handler.publisher.wall_clock = clock
+    from parkade.schemas import EngineRequest, ExecutorAnnouncement
+
+    handler.on_announcement(
+        ExecutorAnnouncement(
+            executor_id="e", num_blocks=32, block_size=BLOCK, max_model_len=128, vocab_size=500
+        )
+    )
+    request = EngineRequest(request_id="x", prompt_token_ids=tuple(PROMPT), sampling_params=SamplingParams())
+    handler.on_tokenized(request)
+    out = handler.after_batch()
+    kinds = [type(o.message).__name__ for o in out if o.topic == topics.KV_EVENTS]
+    assert kinds == ["KVEvents", "ReplicaStatus"]
+    (snapshot,) = [o.message for o in out if isinstance(o.message, KVEvents)]
+    (status_,) = [o.message for o in out if isinstance(o.message, ReplicaStatus)]
+    assert snapshot.snapshot and snapshot.seq == 0 and snapshot.pool == status_.pool
+    assert (status_.replica, status_.block_size, status_.hash_check) == ("b", BLOCK, hash_check())
+    # Scheduled blocks are registered (and published) at once: the router's hashes of the prompt.
+    r, _ = router()
+    assert set(r.block_hashes(PROMPT, BLOCK, None)) <= set(snapshot.stored)
+    assert handler.after_batch() == []  # nothing new, nothing due
+    clock.now += 1
+    (beat,) = [o.message for o in handler.after_batch() if o.topic == topics.KV_EVENTS]
+    assert isinstance(beat, ReplicaStatus) and beat.num_running == 1
+    pool = BlockPool(4)
+    assert pool.events is None  # nothing recorded unless a replica publishes
+
+
+@pytest.fixture(scope="module")
+def frontend():
+    return FrontEnd.from_options(TokenizerOptions())
+
+
+def _tokenizer(frontend, clock: Clock, **kwargs) -> TokenizerHandler:
+    r = Router("kv", clock=clock, wall_clock=clock, seed=1, replica_timeout_s=5)
+    handler = TokenizerHandler(frontend, router=r, clock=clock, **kwargs)
+    for name in ("a", "b"):
+        handler.on_replica(status(name, clock), 0)
+    return handler
+
+
+def _request(rid: str = "r") -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid, prompt="Once upon a time", sampling_params=SamplingParams(max_tokens=50)
+    )
+
+
+def test_a_gone_replicas_stream_goes_on_elsewhere_from_where_it_was(frontend):
+    clock = Clock()
+    tok = _tokenizer(frontend, clock)
+    journal, sent = tok.on_request(_request(), (), (topics.topic_name(topics.REQUESTS), 0, 3))
+    assert isinstance(journal.message, RequestRouted) and journal.topic == topics.REQUESTS
+    first = journal.message.replica
+    other = "b" if first == "a" else "a"
+    assert sent.topic == topics.replica_topic(topics.TOKENIZED, first)
+    tok.on_generated(
+        GeneratedBatch(events=(GeneratedTokens(request_id="r", index=0, token_ids=(5, 6, 7)),), replica=first)
+    )
+    clock.now += 6
+    tok.on_replica(status(other, clock), 1)  # only the other one is heard from
+    out = tok.after_batch()
+    moved = [o for o in out if o.topic == topics.replica_topic(topics.TOKENIZED, other)]
+    aborted = [o for o in out if o.topic == topics.replica_topic(topics.TOKENIZED, first)]
+    (routed,) = [o.message for o in out if isinstance(o.message, RequestRouted)]
+    assert (routed.replica, routed.from_index) == (other, 3)
+    assert moved[0].message.output_token_ids == (5, 6, 7)
+    assert isinstance(aborted[0].message, FinishRequest) and aborted[0].message.reason == FinishReason.ABORT
+    # The old replica's late events past the hand-over, and its abort, are not the stream's.
+    late = GeneratedTokens(request_id="r", index=3, token_ids=(99,))
+    abort = GeneratedTokens(request_id="r", index=4, token_ids=(), finish_reason=FinishReason.ABORT)
+    assert tok.on_generated(GeneratedBatch(events=(late,), replica=first)) == []
+    assert (
+        tok.on_generated(
+            abort.__class__(**{**{f: getattr(abort, f) for f in abort.__struct_fields__}, "replica": first})
+        )
+        == []
+    )
+    (event,) = tok.on_generated(
+        GeneratedBatch(events=(GeneratedTokens(request_id="r", index=3, token_ids=(8,)),), replica=other)
+    )
+    assert (event.message.index, event.message.token_ids) == (3, (8,))
+
+
+def test_a_request_waits_for_a_replica_and_ends_with_an_error_if_none_comes(frontend):
+    clock = Clock()
+    tok = _tokenizer(frontend, clock, replica_wait_s=10)
+    clock.now += 6  # both silent
+    assert tok.on_request(_request("w")) == []
+    clock.now += 5
+    assert tok.after_batch() == []
+    clock.now += 6
+    (error,) = [o for o in tok.after_batch() if o.topic == topics.TOKENS]
+    assert error.message.finish_reason == "error" and "no engine replica" in error.message.error
+    # An abort of a waiting request is answered here.
+    assert tok.on_request(_request("x")) == []
+    out = tok.on_request(
+        __import__("parkade.schemas", fromlist=["AbortRequest"]).AbortRequest(request_id="x")
+    )
+    assert [o.message.finish_reason for o in out if o.topic == topics.TOKENS] == ["abort"]
+
+
+def test_a_restarted_tokenizer_sends_each_stream_where_its_journal_says(frontend):
+    clock = Clock()
+    first = _tokenizer(frontend, clock)
+    source = (topics.topic_name(topics.REQUESTS), 0, 3)
+    journal, _ = first.on_request(_request(), (), source)
+    replica = journal.message.replica
+    # The successor reads: the request, its events, the journal, then its own announcement.
+    second = _tokenizer(frontend, clock)
+    second.announcement()
+    assert second.on_request(_request(), (), source) == []
+    events = GeneratedBatch(
+        events=(GeneratedTokens(request_id="r", index=0, token_ids=(5, 6)),), replica=replica
+    )
+    assert second.on_generated(events, 10) == []  # deferred until the journal is read
+    assert second.on_request(journal.message) == []
+    out = second.on_request(TokenizerAnnouncement(tokenizer_id=second.tokenizer_id))
+    resent = [o for o in out if o.topic.endswith("tokenized")]
+    assert [o.topic for o in resent] == [topics.replica_topic(topics.TOKENIZED, replica)]
+    assert [o.message.index for o in out if o.topic == topics.TOKENS] == [0]
+    assert not [o for o in out if isinstance(o.message, RequestRouted)]  # not routed again
