@@ -3,9 +3,11 @@ tie breaks, KV events with pool epochs, hand-overs, and a restart that reads the
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from parkade.schemas import (
+    AbortRequest,
     FinishReason,
     FinishRequest,
     GeneratedBatch,
@@ -18,6 +20,7 @@ from parkade.schemas import (
     TokenizerAnnouncement,
     topics,
 )
+from parkade.schemas.routing import short_hash
 from parkade.services.common.block_hash import hash_check
 from parkade.services.scheduler.block_pool import BlockPool
 from parkade.services.scheduler.config import SchedulingOptions
@@ -90,10 +93,7 @@ def test_the_scheduler_and_the_router_hash_alike():
             BLOCK,
         )
         r, _ = router()
-        assert [r for r in r.block_hashes(PROMPT, BLOCK, salt)] == [
-            __import__("parkade.schemas.routing", fromlist=["short_hash"]).short_hash(h)
-            for h in request.update_block_hashes()
-        ]
+        assert r.block_hashes(PROMPT, BLOCK, salt) == [short_hash(h) for h in request.update_block_hashes()]
 
 
 def test_the_load_gate_spreads_one_hot_prefix_and_ties_are_random():
@@ -234,12 +234,7 @@ def test_a_gone_replicas_stream_goes_on_elsewhere_from_where_it_was(frontend):
     late = GeneratedTokens(request_id="r", index=3, token_ids=(99,))
     abort = GeneratedTokens(request_id="r", index=4, token_ids=(), finish_reason=FinishReason.ABORT)
     assert tok.on_generated(GeneratedBatch(events=(late,), replica=first)) == []
-    assert (
-        tok.on_generated(
-            abort.__class__(**{**{f: getattr(abort, f) for f in abort.__struct_fields__}, "replica": first})
-        )
-        == []
-    )
+    assert tok.on_generated(msgspec.structs.replace(abort, replica=first)) == []
     (event,) = tok.on_generated(
         GeneratedBatch(events=(GeneratedTokens(request_id="r", index=3, token_ids=(8,)),), replica=other)
     )
@@ -258,9 +253,7 @@ def test_a_request_waits_for_a_replica_and_ends_with_an_error_if_none_comes(fron
     assert error.message.finish_reason == "error" and "no engine replica" in error.message.error
     # An abort of a waiting request is answered here.
     assert tok.on_request(_request("x")) == []
-    out = tok.on_request(
-        __import__("parkade.schemas", fromlist=["AbortRequest"]).AbortRequest(request_id="x")
-    )
+    out = tok.on_request(AbortRequest(request_id="x"))
     assert [o.message.finish_reason for o in out if o.topic == topics.TOKENS] == ["abort"]
 
 
