@@ -171,11 +171,12 @@ class RequestClient:
         traceparent: bytes | None = None,
         cache_salt: str | None = None,
         chat: ChatOptions | None = None,
+        session_id: str | None = None,
     ) -> str:
         """Send a generate request; its events are kept for `stream(request_id)`. A request id
         this client is streaming already is refused (ValueError). `traceparent`: the W3C trace
-        context its spans belong under (default: a new trace). `cache_salt` and `chat` (how
-        `messages` are rendered) as `GenerateRequest`'s fields."""
+        context its spans belong under (default: a new trace). `cache_salt`, `session_id` (for the
+        `session` router) and `chat` (how `messages` are rendered) as `GenerateRequest`'s fields."""
         assert self._reader is not None, "start the client first (async with Client(...))"
         if self._reader.done():  # it lost the broker: nothing sent now could be read back
             raise PipelineGoneError(f"lost the broker at {self.bootstrap_servers}; start a new client")
@@ -189,6 +190,7 @@ class RequestClient:
             sampling_params=sampling_params or SamplingParams(),
             priority=priority,
             cache_salt=cache_salt,
+            session_id=session_id,
             **_chat_fields(chat),
         )
         traceparent = traceparent or new_traceparent()

@@ -1,4 +1,5 @@
-"""One instance of each service on a set of topics, until scale-out exists.
+"""One instance of each service on a set of topics: one tokenizer, and one scheduler and one
+executor per engine replica (each claims `<service>.replica-R`; replica 0 the plain name).
 
 A second scheduler, executor or tokenizer on the same topics jams the pipeline: two consumers
 handling every record and committing one group's offsets, two schedulers planning steps for one
@@ -96,8 +97,8 @@ async def _listen(bus: Bus, service: str, prefix: str, instance_id: str, since: 
                     raise DuplicateInstanceError(
                         f"another {service} is serving the topics {prefix}* (instance {other.instance_id}, "
                         f"pid {other.pid} on {other.host or 'an unknown host'}); a second one would jam "
-                        "the pipeline, and Parkade has no scale-out yet. Stop that one first, or give "
-                        "this one other topics with --topic-prefix."
+                        "the pipeline. Stop that one first; for another engine replica give this one "
+                        "another --replica name, for another deployment another --topic-prefix."
                     )
     finally:
         await consumer.stop()

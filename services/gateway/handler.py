@@ -163,6 +163,7 @@ class GatewayHandler:
                     "sampling_params": params,
                     "priority": request.priority,
                     "cache_salt": request.cache_salt,
+                    "session_id": request.user,  # OpenAI's `user`: the session router's key
                     # Unique per HTTP request; the index tells a choice's events apart.
                     "request_id": f"{answer.id}-{index}" if len(request.prompts) > 1 else answer.id,
                 }

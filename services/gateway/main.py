@@ -40,7 +40,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from parkade.schemas import FinishReason, InstanceHeartbeat, TokenEvent, topics
+from parkade.schemas import FinishReason, InstanceHeartbeat, ReplicaStatus, TokenEvent, topics
 from parkade.services import PIPELINE
 from parkade.services.bus.base import RecordRejected
 from parkade.services.bus.client import PipelineGoneError, RequestClient
@@ -73,15 +73,17 @@ class Health:
     def __init__(self, client: RequestClient) -> None:
         self.client = client
         self.last_heartbeat: dict[str, float] = {}
+        # Each engine replica's last status (the kv-events topic), and when it was read.
+        self.replicas: dict[str, tuple[ReplicaStatus, float]] = {}
         self._broker_checked = (-1e9, False)
 
     async def follow(self) -> None:
-        """Read heartbeats from the instances topic, from its end, until cancelled."""
+        """Read heartbeats from the instances topic and the replicas' statuses from the kv-events
+        topic, from their ends, until cancelled."""
         bus = self.client.bus
-        consumer = await bus.consumer(
-            [topics.topic_name(topics.INSTANCES, self.client.prefix)], None, from_end=True
-        )
-        decoder = topics.TopicDecoder(topics.INSTANCES)
+        names = [topics.topic_name(t, self.client.prefix) for t in (topics.INSTANCES, topics.KV_EVENTS)]
+        consumer = await bus.consumer(names, None, from_end=True)
+        decoders = {name: topics.TopicDecoder(topics.base_topic(name)) for name in names}
         try:
             while True:
                 try:
@@ -91,10 +93,14 @@ class Health:
                     await asyncio.sleep(1.0)
                     continue
                 for record in records:
-                    with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                    with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError, KeyError):
+                        decoder = decoders[record.topic]
                         message = decoder.decode(record.value, record.header(topics.CONTENT_TYPE))
                         if isinstance(message, InstanceHeartbeat):
-                            self.last_heartbeat[message.service] = time.monotonic()
+                            # Any replica's scheduler (`scheduler.replica-R`) is a scheduler.
+                            self.last_heartbeat[message.service.split(".")[0]] = time.monotonic()
+                        elif isinstance(message, ReplicaStatus):
+                            self.replicas[message.replica] = (message, time.monotonic())
         finally:
             with contextlib.suppress(Exception):
                 await consumer.stop()
@@ -110,9 +116,32 @@ class Health:
                 broker_ok = False
             self._broker_checked = (now, broker_ok)
         missing = [s for s in PIPELINE if now - self.last_heartbeat.get(s, -1e9) > HEARTBEAT_STALE_S]
+        replicas = {
+            name: _replica_health(status, now - heard) for name, (status, heard) in self.replicas.items()
+        }
         ok = broker_ok and not missing
-        detail = {"status": "ok" if ok else "unavailable", "broker": broker_ok, "services_missing": missing}
+        detail = {
+            "status": "ok" if ok else "unavailable",
+            "broker": broker_ok,
+            "services_missing": missing,
+            "replicas": replicas,
+        }
         return ok, detail
+
+
+def _replica_health(status: ReplicaStatus, age_s: float) -> dict[str, Any]:
+    """One replica in `/health`: what its last status said (serving only while it is fresh)."""
+    fresh = age_s <= HEARTBEAT_STALE_S and not status.draining
+    used = status.num_blocks - status.num_free_blocks
+    return {
+        "serving": fresh and status.serving,
+        "draining": status.draining,
+        "last_status_s": round(age_s, 1),
+        "requests_running": status.num_running,
+        "requests_waiting": status.num_waiting,
+        "kv_cache_usage": round(used / status.num_blocks, 4) if status.num_blocks else 0.0,
+        "prefix_hit_rate": round(status.prefix_hits / max(1, status.prefix_queries), 4),
+    }
 
 
 def _json(body: dict[str, Any]) -> str:

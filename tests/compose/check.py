@@ -297,6 +297,19 @@ def crash_and_recover(run: Run, service: str = "scheduler", limit: float = 90) -
     )
 
 
+def two_replicas(run: Run, timeout: float = 120) -> str:
+    """/health lists engine replicas 0 and 1 (the `replicas` profile), both serving."""
+    deadline = time.monotonic() + timeout
+    replicas: dict = {}
+    while time.monotonic() < deadline:
+        status, body = http(f"{run.gateway}/health", timeout=5)
+        replicas = json.loads(body).get("replicas", {}) if status == 200 else {}
+        if {"0", "1"} <= set(replicas) and all(replicas[r]["serving"] for r in ("0", "1")):
+            return f"replicas serving: {sorted(replicas)}"
+        time.sleep(2)
+    raise CheckFailed(f"replicas 0 and 1 not both serving after {timeout:.0f}s: {replicas}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compose", required=True, help="the docker-compose command, its -p and -f included")
@@ -312,6 +325,7 @@ def main() -> int:
 
     if run.check("gateway /health 200 (the stack is up)", lambda: wait_healthy(run, args.health_timeout)):
         run.check("the topics job (parkade topics --create)", lambda: topics_job(run))
+        run.check("two engine replicas serve (/health)", lambda: two_replicas(run))
         if run.check("expected text: parkade offline (in-process)", lambda: offline(run)):
             run.check("request through Kafka from this machine", lambda: kafka_request(run))
             run.check("request through the gateway (/v1/completions)", lambda: gateway_request(run))

