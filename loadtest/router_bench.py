@@ -126,9 +126,9 @@ class Cluster:
     def run(
         self, requests: list[Request], restart_at: float | None = None, progress: tqdm | None = None
     ) -> None:
+        self._push(0.0, "tick", None)  # first: the replicas' statuses, before any request
         for request in requests:
             self._push(request.arrival, "arrive", request)
-        self._push(0.0, "tick", None)
         if restart_at is not None:
             self._push(restart_at, "restart", None)
         pending = len(requests)

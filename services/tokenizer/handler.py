@@ -77,6 +77,9 @@ ORPHAN_WAIT_S = 30.0
 # How long a request may wait for a replica to take it before it ends with an error.
 REPLICA_WAIT_S = 60.0
 REPLICA_CHECK_S = 0.25  # how often the replicas' liveness is looked at
+# After a start, how long requests wait for the first replica status (one comes each second)
+# before they go to replica 0 regardless: routing blind would send every one of them there.
+REPLICA_DISCOVERY_S = 2.5
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +159,7 @@ class TokenizerHandler(Service):
         self.routes = Routes()
         self.replica_wait_s = replica_wait_s
         self._next_replica_check = 0.0
+        self.started_at = -float("inf")  # see REPLICA_DISCOVERY_S
         self.kv_low: dict[str, int] = {}  # replica -> the kv-events offset a restart reads from
         self.streams: dict[str, _Open] = {}  # by the client's request id
         # The live samples' ids at the scheduler -> their request's id. A request with n == 1
@@ -185,6 +189,7 @@ class TokenizerHandler(Service):
     def announcement(self) -> Outgoing:
         """Sent once at start, on the requests topic (see the module)."""
         self.caught_up_at = None
+        self.started_at = self.clock()
         return Outgoing(topics.REQUESTS, TokenizerAnnouncement(tokenizer_id=self.tokenizer_id))
 
     def on_record(
@@ -437,6 +442,8 @@ class TokenizerHandler(Service):
     def _route_waiting(self) -> list[Outgoing]:
         """Send the samples that wait, in arrival order, while a replica can take them."""
         out: list[Outgoing] = []
+        if not self.router.known() and self.clock() - self.started_at < REPLICA_DISCOVERY_S:
+            return out
         for engine_id, waiting in list(self.routes.unrouted.items()):
             open_ = self.streams.get(waiting.request_id)
             if open_ is None:

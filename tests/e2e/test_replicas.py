@@ -1,7 +1,8 @@
 """Engine replicas through Kafka with the real model: `parkade up --replicas 2` spreads the
 streams over both, and a replica that is killed (it comes back first) or hangs (its requests are
-handed over to the other one) loses nothing: every seeded stream is exactly what one process
-makes; a replica started while serving takes requests."""
+handed over to the other one), or the tokenizer killed (its successor reads the routing journal),
+loses nothing: every seeded stream is exactly what one process makes; a replica started while
+serving takes requests."""
 
 from __future__ import annotations
 
@@ -104,6 +105,18 @@ def test_two_replicas_lose_nothing_when_one_is_killed_or_hangs(tmp_path):
                 check(await _round(client, hang), "hung")
                 handed = [r for r in (await _routes(state["bootstrap_servers"]))[before:] if r.from_index > 0]
                 assert handed and {r.replica for r in handed} == {"0"}, handed
+
+                # 3. kill -9 the tokenizer: its successor reads the routing journal and sends each
+                # stream back to the replica that runs it; nothing is routed twice.
+                async def kill_tokenizer() -> None:
+                    old = up.wait_ready()["pids"]["tokenizer"]
+                    os.kill(old, signal.SIGKILL)
+                    await _wait_for_new_pid(up, "tokenizer", old)
+
+                before = len(await _routes(state["bootstrap_servers"]))
+                check(await _round(client, kill_tokenizer), "tokenizer killed")
+                fresh = [r for r in (await _routes(state["bootstrap_servers"]))[before:] if r.from_index == 0]
+                assert len({r.request_id for r in fresh}) == len(fresh) == len(PROMPTS), fresh
 
         asyncio.run(main())
     except AssertionError:

@@ -277,3 +277,22 @@ def test_a_restarted_tokenizer_sends_each_stream_where_its_journal_says(frontend
     assert [o.topic for o in resent] == [topics.replica_topic(topics.TOKENIZED, replica)]
     assert [o.message.index for o in out if o.topic == topics.TOKENS] == [0]
     assert not [o for o in out if isinstance(o.message, RequestRouted)]  # not routed again
+
+
+def test_after_its_start_a_tokenizer_waits_for_the_replicas_statuses_before_routing(frontend):
+    clock = Clock()
+    tok = TokenizerHandler(frontend, router=Router(clock=clock, wall_clock=clock), clock=clock)
+    tok.announcement()
+    tok.on_request(TokenizerAnnouncement(tokenizer_id=tok.tokenizer_id))
+    assert tok.on_request(_request("early")) == []  # no status read yet: it waits
+    clock.now += 1
+    tok.on_replica(status("b", clock), 0)
+    (journal, sent) = tok.after_batch()
+    assert journal.message.replica == "b" and sent.topic == topics.replica_topic(topics.TOKENIZED, "b")
+    blind = TokenizerHandler(frontend, router=Router(clock=clock, wall_clock=clock), clock=clock)
+    blind.announcement()
+    blind.on_request(TokenizerAnnouncement(tokenizer_id=blind.tokenizer_id))
+    assert blind.on_request(_request("x")) == []
+    clock.now += 3  # still nobody: replica 0, whose scheduler holds it until an executor comes
+    (journal, sent) = blind.after_batch()
+    assert journal.message.replica == "0" and sent.topic == topics.TOKENIZED
