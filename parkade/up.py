@@ -72,10 +72,14 @@ SERVICE_FLAGS: dict[str, list[Flag]] = {
 }
 
 
+# Flags `parkade up` sets itself, per child: each tokenizer's index (and each replica's --replica).
+UP_SETS = {"tokenizer_index"}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # A setting several services take (model, max_model_len, ...) is one flag, in its first group.
     seen: set[str] = set()
-    routing = {f.name for f in tokenizer_main.ROUTER_FLAGS}
+    routing = {f.name for f in (*tokenizer_main.ROUTER_FLAGS, *tokenizer_main.SHARD_FLAGS)}
     for group, service in (
         ("model", "tokenizer"),
         ("routing (tokenizer)", "tokenizer"),
@@ -83,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("scheduler (batching, admission)", "scheduler"),
         ("gateway (OpenAI HTTP API)", "gateway"),
     ):
-        flags = [f for f in SERVICE_FLAGS[service] if f.name not in seen]
+        flags = [f for f in SERVICE_FLAGS[service] if f.name not in seen and f.name not in UP_SETS]
         if service == "tokenizer":
             flags = [f for f in flags if (f.name in routing) == group.startswith("routing")]
         seen.update(f.name for f in flags)
@@ -119,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def service_argv(name: str, args: argparse.Namespace) -> list[str]:
     """The flags of service `name` for the settings `parkade up` was given."""
-    flags = SERVICE_FLAGS[name]
+    flags = [f for f in SERVICE_FLAGS[name] if f.name not in UP_SETS]
     return to_argv(flags, flag_values(flags, args))
 
 
@@ -127,6 +131,8 @@ def check(args: argparse.Namespace) -> str | None:
     """What is wrong with the settings, in one line, before anything starts; None if nothing."""
     if args.replicas < 1:
         return f"--replicas must be >= 1, got {args.replicas}"
+    if args.tokenizers < 1:
+        return f"--tokenizers must be >= 1, got {args.tokenizers}"
     try:
         check_model_folder(args.model, tokenizer=args.tokenizer is None)
         if args.tokenizer is not None:
@@ -425,6 +431,11 @@ def _service_cmds(name: str, bootstrap: str, args: argparse.Namespace) -> list[t
     """(child name, command) of each process of service `name`: one, or for the scheduler and
     the executor one per engine replica (replica 0 is `scheduler`, replica R `scheduler-R`)."""
     cmd = _service_cmd(name, bootstrap, args)
+    if name == "tokenizer":
+        return [
+            (name if i == 0 else f"{name}-{i}", [*cmd, "--tokenizer-index", str(i)])
+            for i in range(args.tokenizers)
+        ]
     if name not in ("scheduler", "executor"):
         return [(name, cmd)]
     return [(name if r == 0 else f"{name}-{r}", [*cmd, "--replica", str(r)]) for r in range(args.replicas)]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,12 @@ class _Orphan:
     events: list[tuple[GeneratedTokens, str | None]] = field(default_factory=list)  # with their replica
 
 
+def shard_of(request_id: str, shards: int) -> int:
+    """Which of `shards` tokenizers handles a request: by the id before its first `#`, so that a
+    request's samples (`id#i`) and their events go to the tokenizer of the request."""
+    return zlib.crc32(request_id.split("#", 1)[0].encode()) % shards
+
+
 def tokens_out(event: TokenEvent, headers: Headers) -> Outgoing:
     """A token event, to the request's reply topic if it named one, else the shared one."""
     return Outgoing(topics.TOKENS, event, event.request_id, headers, topics.reply_topic(headers))
@@ -151,8 +158,19 @@ class TokenizerHandler(Service):
         clock: Callable[[], float] = time.monotonic,
         router: Router | None = None,
         replica_wait_s: float = REPLICA_WAIT_S,
+        shard: int = 0,
+        shards: int = 1,
     ) -> None:
         self.frontend = frontend
+        # Several tokenizers share the topics by request id: this one handles the requests (and
+        # their events) whose `shard_of` is `shard`, and reads past the others'. Its own group
+        # and instance claim; shard 0 keeps the plain ones.
+        if not 0 <= shard < shards:
+            raise ValueError(f"tokenizer shard {shard} of {shards}: 0 <= shard < shards")
+        self.shard, self.shards = shard, shards
+        if shard:
+            self.group_id = f"{TokenizerHandler.group_id}.{shard}"
+            self.instance_name = f"tokenizer.{shard}"
         # Which replica runs each sample (router.py decides, routes.py remembers); samples that
         # wait for a replica wait `replica_wait_s` at most.
         self.router = router if router is not None else Router(clock=clock)
@@ -214,13 +232,18 @@ class TokenizerHandler(Service):
             self.kv_low[message.replica] = offset
         return []
 
+    def mine(self, request_id: str) -> bool:
+        """Whether this tokenizer handles the request (or sample) `request_id`."""
+        return self.shards == 1 or shard_of(request_id, self.shards) == self.shard
+
     def on_bad_record(self, record: Record, error: Exception) -> list[Outgoing]:
         """A record that cannot be decoded goes to the dead-letter topic; a request record's
         stream, when its request id can be read (from the record, else its key), also gets an
-        error event, so that a client with a typo gets an answer instead of waiting."""
+        error event, so that a client with a typo gets an answer instead of waiting. (With
+        several tokenizers: the one whose request it is; without an id, shard 0.)"""
         out = [dead_letter(record, error)]
         if not record.topic.endswith(topics.REQUESTS):
-            return out
+            return out if self.shard == 0 else []
         try:
             codec = msgspec.json if topics.is_json(record.header(topics.CONTENT_TYPE)) else msgspec.msgpack
             raw = codec.decode(record.value)
@@ -230,8 +253,12 @@ class TokenizerHandler(Service):
         if not (isinstance(request_id, str) and request_id) and record.key:
             request_id = record.key.decode(errors="replace")
         if isinstance(request_id, str) and request_id:
+            if not self.mine(request_id):
+                return []
             error_text = f"invalid request: {error}"
             out.append(error_event(request_id, error_text, ErrorKind.INVALID_REQUEST, record.headers))
+        elif self.shard != 0:
+            return []
         return out
 
     def after_batch(self) -> list[Outgoing]:
@@ -252,6 +279,8 @@ class TokenizerHandler(Service):
                 log.info("read back its own announcement: every request from before its start is known")
                 return self._resume_deferred()
             return []  # another's: an earlier tokenizer's, read again
+        if not self.mine(message.request_id):
+            return []  # another tokenizer's
         if isinstance(message, RequestRouted):
             if message.tokenizer_id != self.tokenizer_id:  # a predecessor's decision, read again
                 request_id = self.engine_ids.get(message.request_id)
@@ -606,8 +635,8 @@ class TokenizerHandler(Service):
         request_id = self.engine_ids.get(engine_id)
         open_ = self.streams.get(request_id) if request_id is not None else None
         if open_ is None or request_id is None:
-            if engine_id in self.finished:
-                return []  # finished already
+            if engine_id in self.finished or not self.mine(engine_id):
+                return []  # finished already, or another tokenizer's
             # A request not read again yet after a restart: its events wait for it (see the
             # module), and a stream that never comes back is answered by `check_orphans`.
             orphan = self.orphans.get(engine_id)

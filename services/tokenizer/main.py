@@ -55,7 +55,12 @@ ROUTER_FLAGS = [
     ),
     Flag("balance_slack", int, DEFAULT_BALANCE_SLACK, "see --balance-factor"),
 ]
-FLAGS = [*dataclass_flags(TokenizerOptions), *ROUTER_FLAGS]
+# Several tokenizers (`parkade up --tokenizers N` gives each its index).
+SHARD_FLAGS = [
+    Flag("tokenizers", int, 1, "tokenizers sharing the topics, each with the requests of its share of ids"),
+    Flag("tokenizer_index", int, 0, "which of the --tokenizers this one is (0 .. N-1)"),
+]
+FLAGS = [*dataclass_flags(TokenizerOptions), *ROUTER_FLAGS, *SHARD_FLAGS]
 
 
 class TokenizerService(TokenizerHandler):
@@ -74,7 +79,12 @@ class TokenizerService(TokenizerHandler):
     async def on_record(self, message: Any, record: Record) -> list[Outgoing]:
         headers = record.headers
         reply = topics.reply_topic(headers)
-        if isinstance(message, GenerateRequest | AbortRequest) and reply and reply not in self.replies_ready:
+        if (
+            isinstance(message, GenerateRequest | AbortRequest)
+            and reply
+            and reply not in self.replies_ready
+            and self.mine(message.request_id)
+        ):
             assert self.bus is not None, "serve() starts the service first"
             try:
                 await self.bus.create_topics([reply], single_partition=False)
@@ -89,13 +99,21 @@ class TokenizerService(TokenizerHandler):
         return super().on_record(message, record)
 
 
-def build_service(options: TokenizerOptions, **router: Any) -> TokenizerService:
+def build_service(
+    options: TokenizerOptions, *, tokenizers: int = 1, tokenizer_index: int = 0, **router: Any
+) -> TokenizerService:
     """The service; `router`: ROUTER_FLAGS' values (ValueError for ones that cannot work)."""
     replica_wait_s = router.pop("replica_wait_s", REPLICA_WAIT_S)
     if replica_wait_s <= 0:
         raise ValueError("replica_wait_s must be > 0")
     policy = Router(router.pop("router", DEFAULT_POLICY), **router)
-    return TokenizerService(FrontEnd.from_options(options), router=policy, replica_wait_s=replica_wait_s)
+    return TokenizerService(
+        FrontEnd.from_options(options),
+        router=policy,
+        replica_wait_s=replica_wait_s,
+        shard=tokenizer_index,
+        shards=tokenizers,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def build() -> TokenizerService:
         values = flag_values(FLAGS, args)
-        router = {flag.name: values.pop(flag.name) for flag in ROUTER_FLAGS}
+        router = {flag.name: values.pop(flag.name) for flag in (*ROUTER_FLAGS, *SHARD_FLAGS)}
         return build_service(TokenizerOptions(**values), **router)
 
     return run_service("tokenizer", parser, args, build)

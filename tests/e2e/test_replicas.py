@@ -1,8 +1,8 @@
-"""Engine replicas through Kafka with the real model: `parkade up --replicas 2` spreads the
-streams over both, and a replica that is killed (it comes back first) or hangs (its requests are
-handed over to the other one), or the tokenizer killed (its successor reads the routing journal),
-loses nothing: every seeded stream is exactly what one process makes; a replica started while
-serving takes requests."""
+"""Engine replicas through Kafka with the real model: `parkade up --replicas 2 --tokenizers 2`
+spreads the streams over both replicas (and the requests over both tokenizers), and a replica
+that is killed (it comes back first) or hangs (its requests are handed over to the other one),
+or a tokenizer killed (its successor reads the routing journal), loses nothing: every seeded
+stream is exactly what one process makes; a replica started while serving takes requests."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 from stack import START_TIMEOUT_S, Up
 from test_restarts import _wait_for_new_pid
 
@@ -23,6 +24,18 @@ from parkade.services.bus.kafka import KafkaBus
 
 PROMPTS = [f"Once upon a time, {name} went to the" for name in ("Tom", "Lily", "Sam", "Mia", "Ben", "Zoe")]
 FAST_HANDOVER = ("--replica-timeout-s", "2")
+
+
+def _wait_serving(state: dict, replicas: set[str]) -> None:
+    """Until the gateway's /health says each of `replicas` serves (an executor joined it)."""
+    health = state["gateway_url"].removesuffix("/v1") + "/health"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        listed = httpx.get(health).json().get("replicas", {})
+        if all(listed.get(r, {}).get("serving") for r in replicas):
+            return
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.2)
 
 
 def _seeded(i: int) -> SamplingParams:
@@ -66,10 +79,11 @@ async def _round(client: Client, disturb) -> list[list]:
 
 def test_two_replicas_lose_nothing_when_one_is_killed_or_hangs(tmp_path):
     expected = [o.outputs[0] for o in LLM().generate(PROMPTS, [_seeded(i) for i in range(len(PROMPTS))])]
-    up = Up(tmp_path / "home", "--replicas", "2", *FAST_HANDOVER)
+    up = Up(tmp_path / "home", "--replicas", "2", "--tokenizers", "2", *FAST_HANDOVER)
     try:
         state = up.wait_ready()
-        assert {"scheduler", "scheduler-1", "executor", "executor-1"} <= set(state["pids"])
+        assert {"scheduler", "scheduler-1", "executor", "executor-1", "tokenizer-1"} <= set(state["pids"])
+        _wait_serving(state, {"0", "1"})
 
         def check(events: list[list], what: str) -> None:
             for i, (got, want) in enumerate(zip(events, expected, strict=True)):
@@ -106,8 +120,9 @@ def test_two_replicas_lose_nothing_when_one_is_killed_or_hangs(tmp_path):
                 handed = [r for r in (await _routes(state["bootstrap_servers"]))[before:] if r.from_index > 0]
                 assert handed and {r.replica for r in handed} == {"0"}, handed
 
-                # 3. kill -9 the tokenizer: its successor reads the routing journal and sends each
-                # stream back to the replica that runs it; nothing is routed twice.
+                # 3. kill -9 the first of the two tokenizers: its successor reads the routing
+                # journal and sends each of its streams back to the replica that runs it (nothing
+                # is routed twice); the other tokenizer's streams go on meanwhile.
                 async def kill_tokenizer() -> None:
                     old = up.wait_ready()["pids"]["tokenizer"]
                     os.kill(old, signal.SIGKILL)
@@ -138,14 +153,10 @@ def test_a_replica_started_while_serving_takes_requests(tmp_path):
             cmd = [sys.executable, "-P", "-m", "parkade.cli", service, "--bootstrap-servers", bootstrap]
             log = (tmp_path / f"{service}-7.log").open("w")
             extra.append(subprocess.Popen([*cmd, "--replica", "7"], env=env, stdout=log, stderr=log))
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "joined" not in (tmp_path / "scheduler-7.log").read_text():  # its executor serves
-            assert time.monotonic() < deadline and all(p.poll() is None for p in extra)
-            time.sleep(0.2)
+        _wait_serving(state, {"0", "7"})
 
         async def main() -> set[str]:
             async with Client(bootstrap) as client:
-                await asyncio.sleep(2)  # its first status reaches the tokenizer
 
                 async def one(i: int) -> None:
                     params = SamplingParams(max_tokens=40, temperature=0)

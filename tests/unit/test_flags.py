@@ -95,7 +95,7 @@ def _every_option_on_the_up_command_line() -> argparse.Namespace:
         if cls is not ExecutorOptions:  # its --model is the tokenizer's: `parkade up` takes it once
             argv += to_argv(dataclass_flags(cls), values)
     executor = {k: v for k, v in NON_DEFAULTS[ExecutorOptions].items() if k != "model"}
-    argv += to_argv(tokenizer_main.ROUTER_FLAGS, ROUTER_NON_DEFAULTS)
+    argv += [*to_argv(tokenizer_main.ROUTER_FLAGS, ROUTER_NON_DEFAULTS), "--tokenizers", "3"]
     return _up_args(argv + to_argv(dataclass_flags(ExecutorOptions), executor))
 
 
@@ -133,9 +133,11 @@ def test_every_executor_and_tokenizer_flag_reaches_its_service_through_parkade_u
         parsed = parser.parse_args(up.service_argv(name, args))
         values = flag_values(main.FLAGS, parsed)
         router = {f.name: values.pop(f.name) for f in getattr(main, "ROUTER_FLAGS", ())}
+        shards = {f.name: values.pop(f.name) for f in getattr(main, "SHARD_FLAGS", ())}
         assert cls(**values) == cls(**NON_DEFAULTS[cls]), name
         if name == "tokenizer":
             assert router == ROUTER_NON_DEFAULTS
+            assert shards == {"tokenizers": 3, "tokenizer_index": 0}  # each child gets its index
             service = tokenizer_main.build_service(TokenizerOptions(), **router)
             assert (service.router.policy, service.router.replica_timeout_s) == ("session", 2.5)
             assert (service.router.balance_factor, service.router.balance_slack) == (3.0, 9)

@@ -296,3 +296,43 @@ def test_after_its_start_a_tokenizer_waits_for_the_replicas_statuses_before_rout
     clock.now += 3  # still nobody: replica 0, whose scheduler holds it until an executor comes
     (journal, sent) = blind.after_batch()
     assert journal.message.replica == "0" and sent.topic == topics.TOKENIZED
+
+
+def test_two_tokenizers_share_the_requests_by_id_each_answering_for_its_own(frontend):
+    from parkade.services.bus.base import Record
+    from parkade.services.tokenizer.handler import shard_of
+
+    clock = Clock()
+    tokenizers = [
+        TokenizerHandler(
+            frontend, router=Router(clock=clock, wall_clock=clock), clock=clock, shard=i, shards=2
+        )
+        for i in (0, 1)
+    ]
+    assert [t.group_id for t in tokenizers] == ["parkade-tokenizer", "parkade-tokenizer.1"]
+    assert [t.instance_name for t in tokenizers] == [None, "tokenizer.1"]
+    ids = [f"req-{i}" for i in range(12)]
+    assert {shard_of(i, 2) for i in ids} == {0, 1}
+    for rid in ids:
+        answers = [t.on_request(_request(rid)) for t in tokenizers]
+        assert [bool(a) for a in answers] == [shard_of(rid, 2) == 0, shard_of(rid, 2) == 1], rid
+    # Samples go with their request; their events too; another's events are no orphans.
+    params = SamplingParams(n=2, max_tokens=5)
+    sampled = GenerateRequest(request_id="s", prompt="Once", sampling_params=params)
+    owner = tokenizers[shard_of("s", 2)]
+    other = tokenizers[1 - shard_of("s", 2)]
+    assert {o.message.request_id for o in routed(owner.on_request(sampled))} == {"s#0", "s#1"}
+    assert other.on_request(sampled) == []
+    event = GeneratedBatch(events=(GeneratedTokens(request_id="s#1", index=0, token_ids=(5,)),))
+    assert [o.topic for o in owner.on_generated(event)] == [topics.TOKENS]
+    assert other.on_generated(event) == [] and not other.orphans
+    # An undecodable request record is answered once, by the tokenizer of its key.
+    bad = Record(topics.topic_name(topics.REQUESTS), b"\xc1", key=b"s2", offset=9)
+    outs = [t.on_bad_record(bad, ValueError("bad")) for t in tokenizers]
+    assert sorted(len(o) for o in outs) == [0, 2]  # a dead letter and an error event, once
+    with pytest.raises(ValueError, match="shard"):
+        TokenizerHandler(frontend, shard=2, shards=2)
+
+
+def routed(out):
+    return [o for o in out if not isinstance(o.message, RequestRouted)]
