@@ -149,6 +149,10 @@ class SchedulerHandler(Service):
             kv_cache_usage=stats.kv_cache_usage if stats else 0.0,
         )
 
+    def own_topics(self) -> tuple[str, ...]:
+        """Its replica's step topics (replica 0's are every deployment's)."""
+        return tuple(t for t in (*self.consumes, self.plans_topic) if t not in topics.ALL_TOPICS)
+
     # ---- restarts ------------------------------------------------------------------------
     def announcement(self) -> Outgoing:
         """Sent once at start: the end of what `recover` reads, and for the tokenizer the news

@@ -432,7 +432,10 @@ class TokenizerHandler(Service):
             return []
         self._next_replica_check = now + REPLICA_CHECK_S
         out: list[Outgoing] = []
-        for name, state in list(self.router.replicas.items()):
+        # NOTE: not within a timeout of catching up: a restarted tokenizer may still be reading
+        # old statuses, and would take every replica for gone.
+        settled = now - self.caught_up_at >= self.router.replica_timeout_s
+        for name, state in list(self.router.replicas.items()) if settled else ():
             if self.router.available(state):
                 continue
             for engine_id in self.routes.on(name):
