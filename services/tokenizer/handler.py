@@ -408,8 +408,11 @@ class TokenizerHandler(Service):
             if route is not None and route.segments:
                 replica, start = route.segments[-1]
                 given = stream.output_token_ids(engine_id)[:start]
-                if start and len(given) < start:  # its tokens before the hand-over are not known here
-                    given = stream.output_token_ids(engine_id)
+                if start and len(given) < start:
+                    # Its tokens before the hand-over were not read again (they should be: the
+                    # generated topic is read from below its first event): it starts over from
+                    # what is known, elsewhere.
+                    self.router.opened(replica, 0)  # (`_hand_over` counts it off again)
                     out += self._hand_over(engine_id, open_, replica)
                     continue
                 self.router.opened(replica, route.prompt_blocks)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -200,7 +201,9 @@ def spans_by_trace(otlp_dir: Path) -> dict[str, set[str]]:
             )
             for scope_spans in resource_spans.get("scopeSpans", []):
                 for span in scope_spans.get("spans", []):
-                    traces[span["traceId"]].add(name)
+                    # An engine replica's scheduler and executor (parkade-scheduler-1) count as
+                    # the scheduler and the executor: a request runs on one replica of them.
+                    traces[span["traceId"]].add(re.sub(r"-\d+$", "", name))
     return traces
 
 

@@ -363,3 +363,18 @@ def test_a_scheduler_stopped_cleanly_says_its_replica_drains_and_the_tokenizer_h
     out = tok.after_batch()  # at once, not after the timeout
     (moved,) = [o.message for o in out if isinstance(o.message, RequestRouted)]
     assert moved.replica != name
+
+
+def test_the_tokenizers_metrics_show_every_replica_and_where_requests_went(frontend):
+    clock = Clock()
+    tok = _tokenizer(frontend, clock)
+    metrics = tok.enable_metrics()
+    journal, _ = tok.on_request(_request())
+    text = metrics.text().decode()
+    name = journal.message.replica
+    assert f'parkade:routed_requests_total{{replica="{name}"}} 1.0' in text
+    for replica in ("a", "b"):
+        assert f'parkade:replica_up{{replica="{replica}"}} 1.0' in text
+        assert f'parkade:replica_serving{{replica="{replica}"}} 1.0' in text
+    assert f'parkade:replica_open_streams{{replica="{name}"}} 1.0' in text
+    assert "parkade:replica_predicted_hit_blocks_total" in text and "parkade:handovers_total 0.0" in text
