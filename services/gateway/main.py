@@ -28,12 +28,14 @@ import os
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import anyio
 import msgspec
 import uvicorn
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -127,6 +129,33 @@ class Health:
             "replicas": replicas,
         }
         return ok, detail
+
+
+class _ReplicaGauges(Collector):
+    """Every engine replica in the gateway's /metrics, as /health shows it (read from the HTTP
+    server's task: the dict is copied first)."""
+
+    FIELDS = (
+        ("serving", "1 while the replica serves (its status is fresh and an executor serves it)"),
+        ("requests_running", "requests running there, as its last status said"),
+        ("requests_waiting", "requests waiting there, as its last status said"),
+        ("kv_cache_usage", "used blocks / all blocks of its pool, 0 to 1"),
+        ("prefix_hit_rate", "prompt tokens found in its prefix cache, 0 to 1"),
+    )
+
+    def __init__(self, health: Health) -> None:
+        self.health = health
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        now = time.monotonic()
+        replicas = {
+            name: _replica_health(s, now - at) for name, (s, at) in list(self.health.replicas.items())
+        }
+        for field, doc in self.FIELDS:
+            family = GaugeMetricFamily(f"parkade:replica_{field}", doc, labels=["replica"])
+            for name, values in replicas.items():
+                family.add_metric([name], float(values[field]))
+            yield family
 
 
 def _replica_health(status: ReplicaStatus, age_s: float) -> dict[str, Any]:
@@ -497,6 +526,7 @@ async def serve(
         gateway = Gateway(
             handler, client, health, api_key=api_key, max_body_bytes=options.max_body_bytes, metrics=metrics
         )
+        gateway.metrics.register(_ReplicaGauges(health))
         config = uvicorn.Config(
             gateway.app(),
             log_level="warning",

@@ -378,3 +378,25 @@ def test_the_tokenizers_metrics_show_every_replica_and_where_requests_went(front
         assert f'parkade:replica_serving{{replica="{replica}"}} 1.0' in text
     assert f'parkade:replica_open_streams{{replica="{name}"}} 1.0' in text
     assert "parkade:replica_predicted_hit_blocks_total" in text and "parkade:handovers_total 0.0" in text
+
+
+def test_the_gateway_shows_every_replica_in_health_and_metrics():
+    import time
+
+    from parkade.services.gateway.main import Health, _replica_health, _ReplicaGauges
+    from parkade.services.gateway.metrics import GatewayMetrics
+
+    health = Health(client=None)
+    clock = Clock()
+    fresh = status(
+        "0", clock, num_running=3, num_blocks=10, num_free_blocks=5, prefix_queries=4, prefix_hits=1
+    )
+    health.replicas = {"0": (fresh, time.monotonic()), "1": (status("1", clock), time.monotonic() - 60)}
+    assert _replica_health(fresh, 0.5)["kv_cache_usage"] == 0.5
+    metrics = GatewayMetrics()
+    metrics.register(_ReplicaGauges(health))
+    text = metrics.text().decode()
+    assert 'parkade:replica_serving{replica="0"} 1.0' in text
+    assert 'parkade:replica_serving{replica="1"} 0.0' in text  # its status is a minute old
+    assert 'parkade:replica_requests_running{replica="0"} 3.0' in text
+    assert 'parkade:replica_prefix_hit_rate{replica="0"} 0.25' in text
