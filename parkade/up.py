@@ -5,8 +5,9 @@
        loopback port
     3. tokenizer, scheduler, executor, gateway: child processes, each given its own flags of the
        ones `parkade up` took (a scheduler and an executor per engine replica, `--replicas N`:
-       `scheduler`, `scheduler-1`, ...; a tokenizer per `--tokenizers N`); each creates the missing topics and prints `READY <service>` once
-       it consumes its topics (the gateway: once it listens, with its URL after)
+       `scheduler`, `scheduler-1`, ...; a tokenizer per `--tokenizers N`); each creates the
+       missing topics and prints `READY <service>` once it consumes its topics (the gateway: once
+       it listens, with its URL after)
     4. $PARKADE_HOME/up.json: where `parkade generate` and `Client()` find the broker; removed on exit
 
 Children run in their own sessions, so that Ctrl-C reaches only this process and the shutdown
