@@ -72,7 +72,8 @@ class KVEvents(msgspec.Struct, frozen=True, kw_only=True, tag="kv_events"):
 class RequestRouted(msgspec.Struct, frozen=True, kw_only=True, tag="request_routed"):
     """The tokenizer sent the sample `request_id` (an engine request id) to `replica`, whose
     events count from `from_index` on (0: its first route; more: a hand-over after that many
-    tokens). Events of any other replica at or past `from_index` are void."""
+    tokens). Events of any other replica at or past `from_index` are void. `replica` "": handed
+    over, waiting for a replica to take it (no replica's events count from `from_index` on)."""
 
     request_id: str
     replica: str

@@ -62,7 +62,7 @@ from parkade.services.common.recent import RecentIds
 from parkade.services.tokenizer.frontend import FrontEnd, RequestStream, StreamUpdate
 from parkade.services.tokenizer.metrics import TokenizerMetrics
 from parkade.services.tokenizer.router import Router
-from parkade.services.tokenizer.routes import Routes, Unrouted
+from parkade.services.tokenizer.routes import PENDING, Routes, Unrouted
 
 # The messages of the generated topic.
 Generated = GeneratedBatch | GeneratedTokens | SchedulerAnnouncement
@@ -405,6 +405,14 @@ class TokenizerHandler(Service):
             if engine_id not in stream.live_engine_request_ids():
                 continue
             route = self.routes.get(engine_id)
+            if route is not None and route.segments and route.replica == PENDING:
+                # Handed over before the restart, not routed again yet: it waits here.
+                given = stream.output_token_ids(engine_id)[: route.segments[-1][1]]
+                resumed = msgspec.structs.replace(request, output_token_ids=given)
+                self.routes.unrouted[engine_id] = Unrouted(
+                    resumed, stream.request_id, open_.headers, self.clock()
+                )
+                continue
             if route is not None and route.segments:
                 replica, start = route.segments[-1]
                 given = stream.output_token_ids(engine_id)[:start]
@@ -438,8 +446,11 @@ class TokenizerHandler(Service):
         # NOTE: not within a timeout of catching up: a restarted tokenizer may still be reading
         # old statuses, and would take every replica for gone.
         settled = now - self.caught_up_at >= self.router.replica_timeout_s
-        for name, state in list(self.router.replicas.items()) if settled else ():
-            if self.router.available(state):
+        available = {n for n, s in self.router.replicas.items() if self.router.available(s)}
+        for name in list(self.router.replicas) if settled else ():
+            if name in available or not available:
+                # (With no other replica to take them, they wait for this one to come back: it
+                # resumes its own from its log.)
                 continue
             for engine_id in self.routes.on(name):
                 route = self.routes.get(engine_id)
@@ -465,14 +476,23 @@ class TokenizerHandler(Service):
         request = next(r for r in stream.engine_requests if r.request_id == engine_id)
         resumed = msgspec.structs.replace(request, output_token_ids=given)
         self.routes.unrouted[engine_id] = Unrouted(resumed, stream.request_id, open_.headers, self.clock())
+        # From here on no replica's events count, until the next route (its segment starts here).
+        self.routes.add(engine_id, stream.request_id, PENDING, len(given))
         log.warning(
             "replica %s is gone: request %s goes on elsewhere after %d tokens", old, engine_id, len(given),
             extra={"request_id": stream.request_id, "replica": old},
         )  # fmt: skip
         if self.metrics is not None:
             self.metrics.handovers.inc()
+        pending = RequestRouted(
+            request_id=engine_id, replica=PENDING, from_index=len(given), tokenizer_id=self.tokenizer_id
+        )
         finish = FinishRequest(request_id=engine_id, reason=FinishReason.ABORT)
-        return [self._to_replica(old, finish, stream.request_id, open_.headers)]
+        # The journal first: a restart must not send it back to `old`, which aborts it.
+        return [
+            Outgoing(topics.REQUESTS, pending, stream.request_id),
+            self._to_replica(old, finish, stream.request_id, open_.headers),
+        ]
 
     def _route_waiting(self) -> list[Outgoing]:
         """Send the samples that wait, in arrival order, while a replica can take them."""

@@ -7,6 +7,8 @@ sample is the sample's only if it comes from the replica of the segment its inde
     segments  [("a", 0), ("b", 7)]     a's events at index < 7 count, b's from 7 on; a's final
                                        event (the abort sent to it at the hand-over, index >= 7)
                                        does not
+              [("a", 0), ("", 7)]      handed over at 7, no replica has it yet (PENDING): a's
+                                       events from 7 on do not count either
 
 Every decision is journaled as a `RequestRouted` record on the requests topic, which the
 tokenizer reads: a restarted tokenizer rebuilds the routes of the requests it reads again from
@@ -20,6 +22,8 @@ from dataclasses import dataclass, field
 from parkade.schemas import EngineRequest
 from parkade.schemas.routing import DEFAULT_REPLICA
 from parkade.services.bus.base import Headers
+
+PENDING = ""  # a segment's replica while a handed-over sample waits for another one
 
 
 @dataclass(eq=False)
@@ -63,8 +67,9 @@ class Routes:
         return self.routes.get(engine_id)
 
     def replica(self, engine_id: str) -> str | None:
+        """The replica that runs the sample now (None: none yet, or none since a hand-over)."""
         route = self.routes.get(engine_id)
-        return route.replica if route is not None and route.segments else None
+        return route.replica or None if route is not None and route.segments else None
 
     def accepts(self, engine_id: str, replica: str | None, index: int) -> bool:
         """Whether an event of `replica` at `index` is the sample's (None: made here)."""

@@ -66,11 +66,12 @@ def test_one_requests_spans_from_every_service_share_its_trace(bootstrap_servers
     mine = [s for s in spans.get_finished_spans() if f"{s.context.trace_id:032x}" == trace_id]
     by_name = {s.name: s for s in mine}
     assert set(by_name) == {
-        "tokenize", "scheduler.request", "scheduler.queue", "executor.prefill", "detokenize"
+        "tokenize", "route", "scheduler.request", "scheduler.queue", "executor.prefill", "detokenize"
     }, sorted(s.name for s in mine)  # fmt: skip
     parent = {name: f"{s.parent.span_id:016x}" for name, s in by_name.items()}
     request_span = f"{by_name['scheduler.request'].context.span_id:016x}"
     assert parent["tokenize"] == parent["detokenize"] == parent["scheduler.request"] == root
+    assert parent["route"] == root and by_name["route"].attributes["parkade.replica"] == "0"
     assert parent["scheduler.queue"] == parent["executor.prefill"] == request_span
     assert by_name["scheduler.queue"].attributes["parkade.prefix_cache_hit_tokens"] == 0
     assert [e.name for e in by_name["scheduler.request"].events] == ["admitted", "first_token", "finished"]
@@ -87,7 +88,14 @@ def test_one_requests_spans_from_every_service_share_its_trace(bootstrap_servers
     plain_traces = {f"{s.context.trace_id:032x}" for s in plain}
     assert len(plain_traces) == 1
     names = {s.name for s in plain}
-    assert names == {"tokenize", "scheduler.request", "scheduler.queue", "executor.prefill", "detokenize"}
+    assert names == {
+        "tokenize",
+        "route",
+        "scheduler.request",
+        "scheduler.queue",
+        "executor.prefill",
+        "detokenize",
+    }
     # Nothing is recorded once tracing is off again.
     tracing.install(None)
     assert not tracing.start_span("x").is_recording()

@@ -228,8 +228,9 @@ def test_a_gone_replicas_stream_goes_on_elsewhere_from_where_it_was(frontend):
     out = tok.after_batch()
     moved = [o for o in out if o.topic == topics.replica_topic(topics.TOKENIZED, other)]
     aborted = [o for o in out if o.topic == topics.replica_topic(topics.TOKENIZED, first)]
-    (routed,) = [o.message for o in out if isinstance(o.message, RequestRouted)]
-    assert (routed.replica, routed.from_index) == (other, 3)
+    journal = [o.message for o in out if isinstance(o.message, RequestRouted)]
+    # Journaled as handed over (no replica's events from 3 on count), then routed again.
+    assert [(r.replica, r.from_index) for r in journal] == [("", 3), (other, 3)]
     assert moved[0].message.output_token_ids == (5, 6, 7)
     assert isinstance(aborted[0].message, FinishRequest) and aborted[0].message.reason == FinishReason.ABORT
     # The old replica's late events past the hand-over, and its abort, are not the stream's.
@@ -363,8 +364,8 @@ def test_a_scheduler_stopped_cleanly_says_its_replica_drains_and_the_tokenizer_h
     name = journal.message.replica
     tok.on_replica(status(name, clock, draining=True))
     out = tok.after_batch()  # at once, not after the timeout
-    (moved,) = [o.message for o in out if isinstance(o.message, RequestRouted)]
-    assert moved.replica != name
+    (pending, moved) = [o.message for o in out if isinstance(o.message, RequestRouted)]
+    assert pending.replica == "" and moved.replica not in ("", name)
 
 
 def test_the_tokenizers_metrics_show_every_replica_and_where_requests_went(frontend):
@@ -402,3 +403,22 @@ def test_the_gateway_shows_every_replica_in_health_and_metrics():
     assert 'parkade:replica_serving{replica="1"} 0.0' in text  # its status is a minute old
     assert 'parkade:replica_requests_running{replica="0"} 3.0' in text
     assert 'parkade:replica_prefix_hit_rate{replica="0"} 0.25' in text
+
+
+def test_with_no_other_replica_a_gone_ones_streams_wait_for_it_to_come_back(frontend):
+    clock = Clock()
+    r = Router("kv", clock=clock, wall_clock=clock, seed=1, replica_timeout_s=5)
+    tok = TokenizerHandler(frontend, router=r, clock=clock)
+    tok.on_replica(status("a", clock), 0)
+    (journal, _) = tok.on_request(_request())
+    assert journal.message.replica == "a"
+    tok.on_generated(
+        GeneratedBatch(events=(GeneratedTokens(request_id="r", index=0, token_ids=(5,)),), replica="a")
+    )
+    clock.now += 30  # a is silent: restarting, and nobody else could take its streams
+    assert tok.after_batch() == []
+    tok.on_replica(status("a", clock, pool="a.2"), 1)  # back, it resumes them from its log
+    (event,) = tok.on_generated(
+        GeneratedBatch(events=(GeneratedTokens(request_id="r", index=1, token_ids=(6,)),), replica="a")
+    )
+    assert (event.message.index, event.message.token_ids) == (1, (6,))
