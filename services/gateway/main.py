@@ -83,9 +83,11 @@ class Health:
         """Read heartbeats from the instances topic and the replicas' statuses from the kv-events
         topic, from their ends, until cancelled."""
         bus = self.client.bus
-        names = [topics.topic_name(t, self.client.prefix) for t in (topics.INSTANCES, topics.KV_EVENTS)]
-        consumer = await bus.consumer(names, None, from_end=True)
-        decoders = {name: topics.TopicDecoder(topics.base_topic(name)) for name in names}
+        decoders = {
+            topics.topic_name(t, self.client.prefix): topics.TopicDecoder(t)
+            for t in (topics.INSTANCES, topics.KV_EVENTS)
+        }
+        consumer = await bus.consumer(list(decoders), None, from_end=True)
         try:
             while True:
                 try:

@@ -38,13 +38,9 @@ class Route:
         return self.segments[-1][0]
 
     def owner(self, index: int) -> str:
-        """The replica whose events at `index` are the sample's."""
-        owner = self.segments[0][0]
-        for replica, start in self.segments:
-            if start > index:
-                break
-            owner = replica
-        return owner
+        """The replica whose events at `index` are the sample's: of the last segment that starts
+        at or below it (a later route overrides an earlier one from its start on)."""
+        return next((r for r, start in reversed(self.segments) if start <= index), self.segments[0][0])
 
 
 @dataclass(eq=False)

@@ -422,3 +422,15 @@ def test_with_no_other_replica_a_gone_ones_streams_wait_for_it_to_come_back(fron
         GeneratedBatch(events=(GeneratedTokens(request_id="r", index=1, token_ids=(6,)),), replica="a")
     )
     assert (event.message.index, event.message.token_ids) == (1, (6,))
+
+
+def test_a_later_route_overrides_the_earlier_ones_from_its_start():
+    from parkade.services.tokenizer.routes import PENDING, Route
+
+    route = Route("r", [("a", 0), ("b", 7)])
+    assert [route.owner(i) for i in (0, 6, 7, 9)] == ["a", "a", "b", "b"]
+    route = Route("r", [("a", 0), (PENDING, 7)])
+    assert [route.owner(i) for i in (6, 7)] == ["a", PENDING]
+    # Routed again from fewer tokens than it was handed over with (some were not read again).
+    route = Route("r", [("a", 0), (PENDING, 7), ("b", 5)])
+    assert [route.owner(i) for i in (4, 5, 7, 9)] == ["a", "b", "b", "b"]
