@@ -6,7 +6,11 @@ core (`Scheduler`), the executor link (`ExecutorLink`), one record per live requ
     step-results topic  ExecutorAnnouncement           -> size the page table; a new executor id
                                                           means recompute everything
                         StepResult                     -> one GeneratedBatch (generated topic)
-    after every poll    up to `max_in_flight` StepPlans (step-plans topic)
+    after every poll    up to `max_in_flight` StepPlans (step-plans topic); when due, the
+                        replica's status and KV events (kv-events topic: `ReplicaPublisher`)
+
+One scheduler per engine replica (`replica`): its tokenized and step topics are the replica's
+own (`topics.replica_topic`), its events on the shared generated topic name it.
 
 The configuration is `SchedulerConfig.build(options, the announced geometry)`, as in one
 process; options that cannot work on the announced pool answer every request with why.

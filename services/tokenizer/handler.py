@@ -1,13 +1,21 @@
 """`TokenizerHandler`: the tokenizer service's logic, without I/O; the front end (`frontend.py`)
 does the work, this maps it to and from the topics.
 
-    requests topic   GenerateRequest -> EngineRequest (tokenized topic)
-                     AbortRequest    -> FinishRequest(abort) (tokenized topic)
+    requests topic   GenerateRequest -> EngineRequest (the tokenized topic of the replica the
+                                        router picks), after a RequestRouted (the journal)
+                     AbortRequest    -> FinishRequest(abort) (its replica's tokenized topic)
+                     RequestRouted   a predecessor's routes, read again after a restart
+    kv-events topic  ReplicaStatus / KVEvents -> the router's view of the replicas (router.py)
     generated topic  GeneratedBatch (a step's) / GeneratedTokens (one request's end)
                                      -> TokenEvent per event (tokens topic): text deltas, stop
                      strings; a matched stop string also sends FinishRequest(stop) to the scheduler
                      SchedulerAnnouncement: a restarted scheduler resumes the open streams
                      (`resumes`); one that does not ends them with error events
+
+Replicas (the README's "Engine replicas and routing"): each sample runs on one replica at a time
+(`routes.py`), and only that replica's events count; the samples of a replica that is gone are
+handed over to another with the tokens they have (`check_replicas`). With several tokenizers,
+each handles the request ids of its shard (`shard_of`) and reads past the others'.
 
 Idempotent under redelivery: a request id is tokenized once, and token messages whose index is
 behind the stream's are dropped. A request that cannot be served gets one TokenEvent with
