@@ -130,11 +130,8 @@ def main() -> None:
                     rounds.append({**result, **verdict})
 
         asyncio.run(run())
-        handovers = sum(
-            line.count("goes on elsewhere")
-            for p in (home / "logs").glob("tokenizer*.log")
-            for line in [p.read_text()]
-        )
+        logs = [p.read_text() for p in (home / "logs").glob("tokenizer*.log")]
+        handovers = sum(text.count("goes on elsewhere") for text in logs)
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(120)
