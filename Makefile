@@ -4,21 +4,28 @@
 # And while working: make test-fast (lint, format, the pure-logic tier: well under a minute).
 PY ?= python3
 VENV := .venv
+RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint bench
 
-$(STAMP): pyproject.toml
+# What Parkade needs to run (the demo): torch and the project, no test extras.
+$(RUN_STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	# NOTE: torch first, pinned: a CPU build that satisfies the project's torch>=... requirement,
 	# where an unpinned install would pull a multi-GB CUDA build.
 	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e .
+	touch $(RUN_STAMP)
+
+# And the test extras (pytest, triton, openai, ...): what `make test` and `make lint` need.
+$(STAMP): $(RUN_STAMP)
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $(STAMP)
 
 # Starts `parkade up` (the shipped stories260K, local broker) in the background, streams one story
 # with `parkade generate`, stops it; see scripts/demo.sh.
-demo: $(STAMP)
+demo: $(RUN_STAMP)
 	VENV=$(VENV) bash scripts/demo.sh
 
 lint: $(STAMP)
@@ -39,5 +46,5 @@ test: lint
 test-fast: lint
 	$(VENV)/bin/pytest -q tests/unit
 
-bench: $(STAMP)
+bench: $(RUN_STAMP)
 	$(VENV)/bin/python loadtest/offline_bench.py

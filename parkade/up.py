@@ -12,8 +12,10 @@
 
 Children run in their own sessions, so that Ctrl-C reaches only this process and the shutdown
 keeps its order: services first (they commit offsets on the way out), then the broker. Each
-child's output goes to $PARKADE_HOME/logs/<name>.log (this run's; a restart appends); its last
-lines are shown if it fails.
+child's output goes to $PARKADE_HOME/logs/<run>/<name>.log (a folder per run, `logs/latest` the
+newest, the newest --keep-logs kept; a restart appends); its last lines are shown if it fails.
+Each child serves its Prometheus metrics on a port of its own (--metrics-port), listed in the
+banner and up.json.
 
 Supervision: a service that exits while serving is restarted, after a backoff that doubles with
 each quick failure (1 s up to 30 s; back to 1 s once it has served for 10 s), and its log gets a
@@ -31,10 +33,14 @@ import collections
 import contextlib
 import ctypes
 import errno
+import itertools
 import os
+import re
+import shutil
 import signal
 import socket
 import sys
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +68,27 @@ RESTART_BACKOFF_S = (1.0, 30.0)  # the first wait, the longest
 # A service that served (printed READY) and ran this long was not crash-looping: its next restart
 # starts again from the first wait.
 RESTART_RESET_S = 10.0
+# The embedded broker (Tansu, memory mode) keeps every record: measured 56 MB -> 206 MB in 180 s of
+# 16 streams, about 3 GB an hour. `parkade up` warns past this and again at each doubling.
+BROKER_MEMORY_WARN_MB = 2048.0
+BROKER_MEMORY_POLL_S = 5.0
+KEEP_LOG_RUNS = 10  # runs whose log folders stay under $PARKADE_HOME/logs
+LATEST_LOGS = "latest"  # $PARKADE_HOME/logs/latest: a link to the newest run's folder
+
+UP_EPILOG = """\
+files ($PARKADE_HOME, default ~/.cache/parkade):
+  up.json              the running stack: broker, gateway URL, metrics URLs, pids (read by
+                       `parkade generate`, `parkade topics` and Client())
+  logs/<run>/<svc>.log each service's output, one folder per run (logs/latest: the newest);
+                       the newest --keep-logs runs are kept
+  traces.jsonl         every service's spans, with --trace
+
+metrics: every service serves Prometheus text at its own port (--metrics-port); the banner and
+up.json list the URLs. The gateway's HTTP port also answers /metrics.
+
+the embedded broker keeps every record in memory (no retention): about 3 GB an hour under 16
+streams. For long runs use Apache Kafka: KAFKA_BOOTSTRAP_SERVERS=host:port parkade up (or
+compose.yaml)."""
 
 # Each service's own flags (its `main.FLAGS`, made from its options class): `parkade up` takes
 # them all and hands each service its own (`service_argv`), so a new option reaches its service
@@ -79,6 +106,7 @@ UP_SETS = {"tokenizer_index"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = UP_EPILOG
     # A setting several services take (model, max_model_len, ...) is one flag, in its first group.
     seen: set[str] = set()
     routing = {f.name for f in (*tokenizer_main.ROUTER_FLAGS, *tokenizer_main.SHARD_FLAGS)}
@@ -116,6 +144,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for the services (default: 300)"
     )
     local.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("PARKADE_METRICS_PORT") or 0),
+        help="each service serves Prometheus metrics at its own port: P, P+1, ... in the order the banner "
+        "lists them (tokenizers, schedulers, executors, gateway); 0: a free port each (default: "
+        "$PARKADE_METRICS_PORT, else 0). The URLs are in the banner and up.json",
+    )
+    local.add_argument(
+        "--metrics-host",
+        default=os.environ.get("PARKADE_METRICS_HOST", "127.0.0.1"),
+        help="address the metrics endpoints listen on (default: $PARKADE_METRICS_HOST, else 127.0.0.1)",
+    )
+    local.add_argument(
+        "--api-key",
+        default=os.environ.get("PARKADE_API_KEY"),
+        help="bearer token the gateway requires on /v1/* (default: $PARKADE_API_KEY; unset: none)",
+    )
+    local.add_argument(
+        "--idempotence",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("PARKADE_KAFKA_IDEMPOTENCE", "") in ("1", "true", "yes"),
+        help="idempotent producing in every service (Apache Kafka; not the embedded broker). Default: "
+        "off, or $PARKADE_KAFKA_IDEMPOTENCE=1",
+    )
+    local.add_argument(
+        "--broker-memory-warn",
+        type=float,
+        default=BROKER_MEMORY_WARN_MB,
+        metavar="MB",
+        help="warn when the embedded broker's resident memory passes this, and again at each doubling: "
+        f"it keeps every record in memory (default: {BROKER_MEMORY_WARN_MB:g})",
+    )
+    local.add_argument(
+        "--keep-logs",
+        type=int,
+        default=KEEP_LOG_RUNS,
+        help=f"runs whose logs are kept under $PARKADE_HOME/logs (default: {KEEP_LOG_RUNS})",
+    )
+    local.add_argument(
         "--broker-wait",
         type=float,
         default=BROKER_WAIT_S,
@@ -126,7 +193,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def service_argv(name: str, args: argparse.Namespace) -> list[str]:
     """The flags of service `name` for the settings `parkade up` was given."""
     flags = [f for f in SERVICE_FLAGS[name] if f.name not in UP_SETS]
-    return to_argv(flags, flag_values(flags, args))
+    argv = to_argv(flags, flag_values(flags, args))
+    # The bus options every service parser takes (runtime.service_parser), and the gateway's key.
+    if args.idempotence:
+        argv.append("--idempotence")
+    if args.broker_wait != BROKER_WAIT_S:
+        argv += ["--broker-wait", f"{args.broker_wait:g}"]
+    return argv
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -153,6 +226,14 @@ def check(args: argparse.Namespace) -> str | None:
             f"port {args.port} on 127.0.0.1 is in use (another broker, or another program): pass another "
             "--port, or leave --port out to take a free one"
         )
+    if args.metrics_port:
+        count = args.tokenizers + 2 * args.replicas + 1  # each process's port, in the banner's order
+        taken = [p for p in range(args.metrics_port, args.metrics_port + count) if _port_in_use(p)]
+        if taken:
+            return (
+                f"metrics port {taken[0]} is in use (--metrics-port {args.metrics_port} takes {count} ports "
+                f"from there): pass another --metrics-port, or 0 for free ports"
+            )
     if args.http_port and _port_in_use(args.http_port, args.host):
         return (
             f"HTTP port {args.http_port} on {args.host} is in use: pass another --http-port (0: a free one)"
@@ -262,7 +343,14 @@ async def _run(args: argparse.Namespace) -> int:
         served = await _serve(args, children, stop)
     finally:
         remove_state()
+        running = [c for c in children if c.proc.returncode is None]
+        if running:  # a line at once: stopping takes seconds (each service finishes its batch)
+            print(f"parkade up: stopping {len(running)} processes: the services, then the broker", flush=True)
+        broker_mb = next((resident_mb(c.proc.pid) for c in running if c.name == "broker"), None)
         stopped = await _stop_all(children)
+        held = f"; the embedded broker held {broker_mb:,.0f} MB" if broker_mb is not None else ""
+        if running:
+            print(f"parkade up: stopped{held}", flush=True)
     return 0 if served and stopped else 1
 
 
@@ -272,8 +360,9 @@ async def _serve(args: argparse.Namespace, children: list[Child], stop: asyncio.
 
     Started children go into `children`. -> False if a child failed or startup timed out.
     """
-    log_dir = parkade_home() / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = new_log_dir(parkade_home() / "logs", args.keep_logs)
+    if args.api_key:  # the gateway's, from the environment: not on its command line, where `ps` shows it
+        os.environ["PARKADE_API_KEY"] = args.api_key
     if args.trace:  # the children inherit the environment: every service writes to the file
         trace_file = parkade_home() / TRACE_FILE
         trace_file.write_text("")  # this run's spans only
@@ -288,8 +377,13 @@ async def _serve(args: argparse.Namespace, children: list[Child], stop: asyncio.
     elif not await _until(_external_broker_up(bootstrap, args.broker_wait), stop, None):
         return stop.is_set()
     services = []
+    metrics: dict[str, str] = {}
     for name in SERVICES:
         for child_name, cmd in _service_cmds(name, bootstrap, args):
+            # A port per process, kept across its restarts (the same command): the URL stays right.
+            port = args.metrics_port + len(metrics) if args.metrics_port else _free_port()
+            metrics[child_name] = f"http://{_shown_host(args.metrics_host)}:{port}/metrics"
+            cmd += ["--metrics-port", str(port), "--metrics-host", args.metrics_host]
             services.append(await Child.start(child_name, cmd, log_dir, service=name))
             children.append(services[-1])
     if not await _until(_all_ready(services), stop, args.ready_timeout):
@@ -301,6 +395,7 @@ async def _serve(args: argparse.Namespace, children: list[Child], stop: asyncio.
         "model": str(args.model),
         "pids": {c.name: c.proc.pid for c in children},
         "logs": str(log_dir),
+        "metrics": metrics,
     }
     gateway = next(c for c in services if c.name == "gateway")
     state["gateway_url"] = gateway.ready_detail
@@ -308,14 +403,86 @@ async def _serve(args: argparse.Namespace, children: list[Child], stop: asyncio.
     # URL printed and in up.json stays right.
     gateway.cmd = [*gateway.cmd, "--http-port", gateway.ready_detail.rsplit(":", 1)[1].split("/")[0]]
     write_state(state)
-    _print_instructions(bootstrap, args.topic_prefix, args.model, log_dir, gateway.ready_detail)
-    if args.trace:
-        print(
-            f"Traces: {parkade_home() / TRACE_FILE}; `parkade trace REQUEST_ID` shows one request's",
-            flush=True,
-        )
-    await _until(_supervise(children, log_dir, state), stop, None)
+    embedded = children[0] if children[0].name == "broker" else None
+    _print_instructions(args, bootstrap, log_dir, gateway.ready_detail, metrics, embedded is not None)
+    watch = [_supervise(children, log_dir, state)]
+    if embedded is not None:
+        watch.append(_watch_broker_memory(embedded, args.broker_memory_warn, state))
+    await _until(_first(*watch), stop, None)
     return stop.is_set()
+
+
+async def _first(*works: Awaitable[bool]) -> bool:
+    """Run `works` until one returns; -> what it returned (the others are cancelled)."""
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+    return next(iter(done)).result()
+
+
+async def _watch_broker_memory(broker: Child, warn_mb: float, state: dict) -> bool:
+    """Keep the embedded broker's resident memory in up.json (`broker_memory_mb`) and warn, with
+    what to do, when it passes `warn_mb` and again at each doubling. Never returns."""
+    threshold = warn_mb
+    while True:
+        rss = resident_mb(broker.proc.pid)
+        if rss is not None:
+            state["broker_memory_mb"] = round(rss)
+            write_state(state)
+            if rss >= threshold:
+                while rss >= threshold:
+                    threshold *= 2
+                print(
+                    f"parkade up: the embedded broker holds {rss:,.0f} MB: it keeps every record in memory "
+                    "(no retention), and grows with every token streamed. Restarting `parkade up` frees it "
+                    "(requests in flight are lost); for long runs use Apache Kafka: "
+                    "KAFKA_BOOTSTRAP_SERVERS=host:port parkade up, or compose.yaml. Next warning at "
+                    f"{threshold:,.0f} MB",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        await asyncio.sleep(BROKER_MEMORY_POLL_S)
+
+
+def resident_mb(pid: int) -> float | None:
+    """A process's resident memory in MB (Linux /proc), None where unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def new_log_dir(root: Path, keep: int) -> Path:
+    """This run's log folder, `root/<YYYYmmdd-HHMMSS>` (a suffix if that exists), with
+    `root/latest` linked to it; the oldest run folders beyond the newest `keep` are removed."""
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in itertools.count():
+        run = root / (stamp if n == 0 else f"{stamp}.{n}")
+        try:
+            run.mkdir()
+            break
+        except FileExistsError:
+            continue
+    link = root / f".{LATEST_LOGS}.{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        link.unlink()
+    link.symlink_to(run.name)
+    os.replace(link, root / LATEST_LOGS)  # atomic: `logs/latest` is always a whole run's folder
+    # NOTE: run folders only (the stamp's shape); names sort as their times do.
+    runs = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and _RUN_NAME.match(p.name))
+    for old in runs[: max(len(runs) - max(keep, 1), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return run
+
+
+_RUN_NAME = re.compile(r"^\d{8}-\d{6}(\.\d+)?$")
 
 
 async def _supervise(children: list[Child], log_dir: Path, state: dict) -> bool:
@@ -467,20 +634,52 @@ async def _all_ready(services: list[Child]) -> bool:
 _CURL_BODY = '{"prompt": "Once upon a time", "max_tokens": 48}'
 
 
-def _print_instructions(bootstrap: str, prefix: str, model: Path, log_dir: Path, url: str) -> None:
-    prefix_arg = "" if prefix == DEFAULT_PREFIX else f" --topic-prefix {prefix}"
+def _print_instructions(
+    args: argparse.Namespace, bootstrap: str, log_dir: Path, url: str, metrics: dict[str, str], embedded: bool
+) -> None:
+    prefix_arg = "" if args.topic_prefix == DEFAULT_PREFIX else f" --topic-prefix {args.topic_prefix}"
+    model = args.model
     shown = f"{DEFAULT_MODEL_NAME} (shipped with Parkade)" if model == DEFAULT_MODEL else str(model)
-    print(
-        f"Parkade is up: model {shown}, broker {bootstrap}, topic prefix {prefix!r}.\n"
-        f"Stream a completion from another shell:\n"
-        f'    parkade generate "Once upon a time" --max-tokens 48{prefix_arg}\n'
-        f"Clients elsewhere (parkade.client.Client, or any Kafka client) connect with:\n"
-        f"    export KAFKA_BOOTSTRAP_SERVERS={bootstrap}\n"
-        f"OpenAI API (the openai package, curl): {url}\n"
-        f"    curl {url}/completions -H 'Content-Type: application/json' -d '{_CURL_BODY}'\n"
-        f"Logs: {log_dir}. Stop with Ctrl-C.",
-        flush=True,
-    )
+    auth = ' -H "Authorization: Bearer $PARKADE_API_KEY"' if args.api_key else ""
+    lines = [
+        f"Parkade is up: model {shown}, broker {bootstrap}, topic prefix {args.topic_prefix!r}.",
+        "Stream a completion from another shell:",
+        f'    {_parkade_command()} generate "Once upon a time" --max-tokens 48{prefix_arg}',
+        "Clients elsewhere (parkade.client.Client, or any Kafka client) connect with:",
+        f"    export KAFKA_BOOTSTRAP_SERVERS={bootstrap}",
+        f"OpenAI API (the openai package, curl): {url}"
+        + (" (with the API key: export PARKADE_API_KEY=<the key> first)" if args.api_key else ""),
+        f"    curl {url}/completions -H 'Content-Type: application/json'{auth} -d '{_CURL_BODY}'",
+        "Metrics (Prometheus): " + ", ".join(f"{name} {u}" for name, u in metrics.items()),
+    ]
+    if args.trace:
+        lines.append(
+            f"Traces: {parkade_home() / TRACE_FILE}; `parkade trace REQUEST_ID` shows one request's timeline."
+        )
+    if embedded:
+        lines.append(
+            "The embedded broker keeps every record in memory (no retention); for long runs use Apache "
+            "Kafka (KAFKA_BOOTSTRAP_SERVERS=host:port parkade up)."
+        )
+    lines.append(f"Logs: {log_dir} (and {log_dir.parent / LATEST_LOGS}). Stop with Ctrl-C.")
+    print("\n".join(lines), flush=True)
+
+
+def _parkade_command() -> str:
+    """How this shell's user runs `parkade`: the bare name when it is on PATH as this one, else
+    the path of this environment's script (a venv that is not activated)."""
+    script = Path(sys.prefix) / "bin" / "parkade"
+    found = shutil.which("parkade")
+    if not script.exists() or (found is not None and Path(found).resolve() == script.resolve()):
+        return "parkade"
+    relative = os.path.relpath(script)
+    return str(script) if relative.startswith("..") else relative
+
+
+def _shown_host(host: str) -> str:
+    """The address a local client uses for a server bound to `host`."""
+    local = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}
+    return local.get(host, f"[{host}]" if ":" in host else host)
 
 
 def _free_port() -> int:

@@ -12,7 +12,11 @@ export PARKADE_HOME="${PARKADE_HOME:-$HOME/.cache/parkade}"
 unset KAFKA_BOOTSTRAP_SERVERS  # the embedded broker, whatever this shell points at
 START_TIMEOUT_S="${START_TIMEOUT_S:-300}"
 
-"$PARKADE" up --http-port "${HTTP_PORT:-0}" &
+# Its banner and lines go to a file, so that they do not land in the middle of the demo's output.
+mkdir -p "$PARKADE_HOME"
+UP_OUT="$PARKADE_HOME/demo-up.out"
+echo "demo: starting Parkade (parkade up: the shipped stories260K model, a local broker); its output: $UP_OUT"
+"$PARKADE" up --http-port "${HTTP_PORT:-0}" >"$UP_OUT" 2>&1 &
 up_pid=$!
 stop_up() {
     if kill -0 "$up_pid" 2>/dev/null; then
@@ -31,10 +35,12 @@ deadline=$((SECONDS + START_TIMEOUT_S))
 until is_ready; do
     if ! kill -0 "$up_pid" 2>/dev/null; then
         wait "$up_pid" || true
+        cat "$UP_OUT" >&2
         echo "demo: parkade up exited before it was ready" >&2
         exit 1
     fi
     if ((SECONDS > deadline)); then
+        cat "$UP_OUT" >&2
         echo "demo: parkade up not ready after ${START_TIMEOUT_S}s" >&2
         stop_up || true
         exit 1
@@ -42,6 +48,8 @@ until is_ready; do
     sleep 0.5
 done
 
+echo "demo: Parkade is up ($SECONDS s)."
+echo
 echo '$ parkade generate "Once upon a time" --temperature 0 --max-tokens 64'
 status=0
 "$PARKADE" generate "Once upon a time" --temperature 0 --max-tokens 64 || status=$?
@@ -50,12 +58,18 @@ if ((status == 0)); then
 import json, sys, urllib.request
 url = json.load(open(sys.argv[1]))["gateway_url"] + "/completions"
 body = {"prompt": "Lily and Tom", "max_tokens": 32, "temperature": 0}
-print(f"$ curl {url} -d '{json.dumps(body)}'")
+print(f"\n$ curl {url} -d '{json.dumps(body)}'")
 request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
 answer = json.load(urllib.request.urlopen(request, timeout=120))
-print(answer["choices"][0]["text"].strip(), f"[usage={answer['usage']}]")
+choice, usage = answer["choices"][0], answer["usage"]
+print(body["prompt"] + choice["text"])  # the completion goes on from the prompt
+print(
+    f"[finish_reason={choice['finish_reason']}, prompt_tokens={usage['prompt_tokens']}, "
+    f"completion_tokens={usage['completion_tokens']}]"
+)
 PY
 fi
+echo
 up_status=0
 stop_up || up_status=$?
 if ((status != 0)); then
@@ -63,6 +77,9 @@ if ((status != 0)); then
     exit "$status"
 fi
 if ((up_status != 0)); then
+    cat "$UP_OUT" >&2
     echo "demo: parkade up did not stop cleanly (exit code $up_status)" >&2
     exit "$up_status"
 fi
+echo "demo: done, and Parkade stopped. To keep it running: $PARKADE up (then, in another shell,"
+echo "      $PARKADE generate \"...\", or the OpenAI API at the URL it prints)."

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -20,6 +20,10 @@ from prometheus_client.registry import Collector
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Seconds, for what takes a step or less: step times, gaps between tokens.
 SHORT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+# NOTE: no `*_created` series (one per counter and histogram, a timestamp as a sample): vLLM
+# turns them off too, and they double what a scrape shows. Process-wide, before any metric exists.
+disable_created_metrics()
 
 
 class ServiceMetrics:
@@ -59,4 +63,5 @@ class _ConsumerLag(Collector):
             for topic, end in ends.items():
                 if topic in positions:  # not before the first record: its start is unknown here
                     family.add_metric([topic], max(end - positions[topic], 0))
-        yield family
+        if family.samples:  # (a family without a sample: a HELP line and nothing under it)
+            yield family

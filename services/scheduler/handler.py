@@ -168,7 +168,13 @@ class SchedulerHandler(Service):
         """Rebuild from the generated topic's records from offset `start` up to this scheduler's
         announcement: which requests finished, and what each live one generated so far."""
         num_live = self.live.recover(start, messages, self.replica)
-        log.info("recovered %d live requests (generated topic from offset %d)", num_live, start)
+        # A clean start recovers nothing: not worth a line at the default level.
+        log.log(
+            logging.INFO if num_live else logging.DEBUG,
+            "recovered %d live requests (generated topic from offset %d)",
+            num_live,
+            start,
+        )
 
     def on_sent(self, out: Outgoing, offset: int) -> None:
         if out.topic == topics.GENERATED:

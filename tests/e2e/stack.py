@@ -77,7 +77,7 @@ class Up:
             return None
 
     def output(self) -> str:
-        logs = [self.log_path, *sorted((self.home / "logs").glob("*.log"))]
+        logs = [self.log_path, *sorted((self.home / "logs" / "latest").glob("*.log"))]
         return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in logs if p.exists())
 
 

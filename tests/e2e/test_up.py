@@ -93,7 +93,7 @@ def test_up_and_generate_on_a_model_folder_given_with_model(tmp_path):
 
 def test_ctrl_c_while_starting_stops_quietly_and_exits_0(tmp_path):
     up = Up(tmp_path)
-    executor_log = tmp_path / "logs" / "executor.log"
+    executor_log = tmp_path / "logs" / "latest" / "executor.log"
     deadline = time.monotonic() + START_TIMEOUT_S
     while not executor_log.exists():  # the services are starting: loading torch and the model
         assert up.proc.poll() is None, up.output()
@@ -122,7 +122,7 @@ def test_a_killed_service_is_restarted_and_the_stack_serves_on(tmp_path):
     assert result.returncode == 0, f"{result.stderr}\n{up.output()}"
     assert code == 0, up.output()
     assert "restarting the executor in 1s (restart 1)" in up.log_path.read_text()
-    assert "restart 1 of the executor" in (up.home / "logs" / "executor.log").read_text()
+    assert "restart 1 of the executor" in (up.home / "logs" / "latest" / "executor.log").read_text()
     assert not running(fresh["pids"]["executor"])
 
 
@@ -141,9 +141,9 @@ def test_a_second_stack_on_the_same_broker_is_refused_and_a_rebalance_heals(tmp_
         code = second.proc.wait(START_TIMEOUT_S)
         assert code != 0, second.output()
         logs = [
-            (second.home / "logs" / f"{name}.log").read_text()
+            (second.home / "logs" / "latest" / f"{name}.log").read_text()
             for name in ("tokenizer", "scheduler", "executor")
-            if (second.home / "logs" / f"{name}.log").exists()
+            if (second.home / "logs" / "latest" / f"{name}.log").exists()
         ]
         # Every service that reached the broker refused to start; `parkade up` stops at the first
         # refusal, so a slower one (the executor, loading) may be stopped before it gets there.
@@ -196,3 +196,60 @@ def test_a_second_stack_on_the_same_broker_is_refused_and_a_rebalance_heals(tmp_
         assert first.proc.wait(STOP_TIMEOUT_S) != 0
     finally:
         first.stop()
+
+
+# What each process's endpoint must show after one completion: a family of its own that counted
+# the work, and one that every service of its kind exports.
+METRICS = {
+    "tokenizer": ("parkade:tokenizer_requests", "parkade:consumer_lag"),
+    "scheduler": ("parkade:e2e_request_latency_seconds", "parkade:kv_cache_usage_perc"),
+    "executor": ("parkade:steps", "parkade:step_time_seconds"),
+    "gateway": ("parkade:gateway_requests", "parkade:gateway_requests_running"),
+}
+
+
+def _scrape(url: str) -> dict[str, list]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(url, timeout=10)
+    assert response.status_code == 200, (url, response.text)
+    return {f.name: f.samples for f in text_string_to_metric_families(response.text)}
+
+
+def test_every_service_metrics_and_the_api_key_under_up(tmp_path):
+    """`parkade up --api-key`: every process serves its metrics at the URL up.json and the banner
+    name; the gateway wants the key; stopping says so at once and when done."""
+    import httpx
+
+    up = Up(tmp_path, "--api-key", "k-123")
+    try:
+        state = up.wait_ready()
+        url = state["gateway_url"]
+        body = {"prompt": "Once upon a time", "max_tokens": 8}
+        assert httpx.post(f"{url}/completions", json=body, timeout=60).status_code == 401
+        answer = httpx.post(
+            f"{url}/completions", json=body, headers={"Authorization": "Bearer k-123"}, timeout=120
+        )
+        assert answer.status_code == 200, answer.text
+        scraped = {name: _scrape(metrics_url) for name, metrics_url in state["metrics"].items()}
+        gateway_http = _scrape(url.removesuffix("/v1") + "/metrics")
+        words = [w for name, pid in state["pids"].items() if name != "broker" for w in _cmdline(pid)]
+    finally:
+        code = up.stop()
+    assert code == 0, up.output()
+    assert list(scraped) == ["tokenizer", "scheduler", "executor", "gateway"]
+    banner = up.log_path.read_text()
+    assert "Metrics (Prometheus): " + ", ".join(f"{n} {u}" for n, u in state["metrics"].items()) in banner
+    for name, families in scraped.items():
+        samples = [s for family in families.values() for s in family]
+        assert not [s.name for s in samples if s.name.endswith("_created")], name
+        counted, always = METRICS[name]
+        assert families.get(always), f"{name}: no {always} samples"
+        values = [s.value for s in families.get(counted, []) if not s.name.endswith("_bucket")]
+        assert values and max(values) > 0, f"{name}: {counted} counted nothing: {families.get(counted)}"
+    assert set(gateway_http) == set(scraped["gateway"])  # the same registry, at either port
+    assert "k-123" not in words and "--api-key" not in words  # the key went by the environment
+    stopping, stopped = banner.index("parkade up: stopping"), banner.index("parkade up: stopped")
+    assert stopping < stopped and "the embedded broker held" in banner[stopped:]
+    assert (tmp_path / "logs" / "latest" / "gateway.log").exists()
