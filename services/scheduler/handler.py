@@ -22,7 +22,7 @@ error event naming the cause, and after its first it runs alone (`StepFailures`)
 executor or unanswered steps (`ExecutorLink.check`) void the steps in flight the same way; a
 request that waited `executor_wait_s` without an executor ends with an error event.
 
-A restart loses nothing (the README's "What is durable where"): the commit on the tokenized
+A restart loses nothing (docs/design.md, "What is durable where"): the commit on the tokenized
 topic never passes the oldest live request's record (`low_watermarks`), and the saved progress
 on the generated topic stays below every live request's first event (`progress`). A restarted
 scheduler reads its own events back from there (`recover`), and resumes each live request read

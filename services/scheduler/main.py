@@ -62,7 +62,8 @@ class SchedulerService(SchedulerHandler):
 
     async def stop(self) -> None:
         """A clean stop (SIGTERM) drains the replica: its last status says so, and the tokenizer
-        hands what it holds over to the other replicas at once (see the README's "Replicas")."""
+        hands what it holds over to the other replicas at once (docs/design.md, "Engine replicas
+        and routing")."""
         if self.bus is None:
             return
         self.publisher.draining = True
