@@ -1,7 +1,8 @@
 """The `parkade` command.
 
 parkade up [--model DIR] [engine and scheduling flags]
-    run the broker (unless $KAFKA_BOOTSTRAP_SERVERS is set), tokenizer, scheduler and executor
+    run the broker (unless $KAFKA_BOOTSTRAP_SERVERS is set), tokenizer, scheduler, executor and
+    the gateway (OpenAI HTTP API) until Ctrl-C
 parkade generate "prompt" [generation flags]
     send one request to a running Parkade and stream the completion to stdout
 parkade offline "prompt" [--model DIR] [engine and scheduling flags] [generation flags]
@@ -10,11 +11,16 @@ parkade tokenizer | scheduler | executor | gateway [--help]
     run one service (what `parkade up` starts)
 parkade trace REQUEST_ID
     one request's spans as a waterfall (after `parkade up --trace`)
-parkade topics --create
-    create the missing topics on the broker (each service also does, at start)
+parkade topics [--create] [--reap]
+    list Parkade's topics and the clients' reply topics on the broker; --create: create the
+    missing topics (each service also does, at start); --reap: delete the reply topics of
+    clients gone for longer than --grace (each client also does, at start)
+parkade --version
 
 `generate` and `offline` take the same generation flags, with the same defaults. Without --model,
-Parkade serves the stories260K model it ships with. Every --help shows the defaults.
+Parkade serves the stories260K model it ships with. Every --help shows the defaults. `generate`
+and `topics` talk to the broker of --bootstrap-servers, else of $KAFKA_BOOTSTRAP_SERVERS, else
+of the `parkade up` running on this machine.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ import asyncio
 import dataclasses
 import importlib
 import logging
-import os
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -35,6 +40,7 @@ from parkade import up
 from parkade.engine.args import ENGINE_ONLY_FIELDS, EngineArgs
 from parkade.schemas import FinishReason, SamplingParams, TokenEvent
 from parkade.services import SERVICES
+from parkade.services.bus.replies import REAP_GRACE_S
 from parkade.services.common.flags import add_flags, dataclass_flags, flag_values, struct_flags
 
 if TYPE_CHECKING:
@@ -101,6 +107,29 @@ def _summary(finish_reason: str | None, num_tokens: int | None, request_id: str 
     print(f"[finish_reason={finish_reason}{tokens}{request}]", file=sys.stderr)
 
 
+# ---- the broker -------------------------------------------------------------------------------
+def _add_broker_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of every command that talks to a broker (resolved by `_broker`)."""
+    parser.add_argument(
+        "--bootstrap-servers", default=None, help="default: $KAFKA_BOOTSTRAP_SERVERS, else `parkade up`'s"
+    )
+    parser.add_argument("--topic-prefix", default=None, help="default: `parkade up`'s, else parkade.")
+
+
+def _broker(command: str, args: argparse.Namespace) -> tuple[str, str] | None:
+    """(bootstrap servers, topic prefix) for `command`, found the one way every command finds
+    them (`parkade.client.find_broker`); None after saying in one line why not (exit 2)."""
+    from parkade.client import NoBrokerError, find_broker
+    from parkade.services.bus.runtime import connection_settings_ok
+
+    try:
+        broker = find_broker(args.bootstrap_servers, args.topic_prefix)
+    except NoBrokerError as error:
+        print(f"parkade {command}: {error}", file=sys.stderr)
+        return None
+    return broker if connection_settings_ok(command) else None
+
+
 # ---- parkade offline -------------------------------------------------------------------------
 # NOTE: not the engine's `seed`: here --seed seeds the one request, which is what a single prompt
 # needs. Nor the vLLM arguments only `LLM(...)` takes (ENGINE_ONLY_FIELDS): as flags of a one-prompt
@@ -147,16 +176,13 @@ def _offline(args: argparse.Namespace) -> int:
 
 # ---- parkade generate ------------------------------------------------------------------------
 def _generate(args: argparse.Namespace) -> int:
-    from parkade.client import NoBrokerError, find_broker
-
     params = _sampling_params("generate", args)
     if params is None:
         return 2
-    try:
-        bootstrap, prefix = find_broker(args.bootstrap_servers, args.topic_prefix)
-    except NoBrokerError as error:
-        print(f"parkade generate: {error}", file=sys.stderr)
+    broker = _broker("generate", args)
+    if broker is None:
         return 2
+    bootstrap, prefix = broker
     try:
         return asyncio.run(_stream(bootstrap, prefix, args.prompt, params, args.timeout))
     except KeyboardInterrupt:
@@ -177,6 +203,7 @@ async def _stream(
     try:
         await client.start()
     except KafkaConnectionError as e:
+        await client.stop()
         print(f"parkade generate: cannot reach the broker at {bootstrap}: {e}", file=sys.stderr)
         return 1
     request_id = uuid.uuid4().hex
@@ -221,38 +248,39 @@ def _trace(args: argparse.Namespace) -> int:
 def _topics(args: argparse.Namespace) -> int:
     from parkade.schemas import topics
     from parkade.services.bus.kafka import BrokerUnreachableError, KafkaBus, TopicLayoutError, wait_for_broker
-    from parkade.services.bus.runtime import connection_settings_ok
+    from parkade.services.bus.replies import is_reply_topic, reap
 
-    if not args.bootstrap_servers:
-        print(
-            "parkade topics: no broker: pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS",
-            file=sys.stderr,
-        )
+    broker = _broker("topics", args)
+    if broker is None:
         return 2
-    names = topics.all_topic_names(args.topic_prefix)
-    if not connection_settings_ok("topics"):
-        return 2
+    bootstrap, prefix = broker
+    names = topics.all_topic_names(prefix)
 
-    async def create() -> None:
-        await wait_for_broker(args.bootstrap_servers, timeout_s=args.broker_wait)
-        bus = KafkaBus(args.bootstrap_servers, client_id="parkade-topics")
+    async def run() -> tuple[list[str], list[str]]:
+        await wait_for_broker(bootstrap, timeout_s=args.broker_wait)
+        bus = KafkaBus(bootstrap, client_id="parkade-topics")
         try:
             if args.create:
                 await bus.create_topics(names)
+            deleted = await reap(bus, prefix, grace_s=args.grace) if args.reap else []
+            return deleted, sorted(t for t in await bus.list_topics() if is_reply_topic(t, prefix))
         finally:
             await bus.close()
 
     try:
-        asyncio.run(create())
+        deleted, replies = asyncio.run(run())
     except BrokerUnreachableError as error:
-        print(
-            f"parkade topics: cannot reach the broker at {args.bootstrap_servers}: {error}", file=sys.stderr
-        )
+        print(f"parkade topics: cannot reach the broker at {bootstrap}: {error}", file=sys.stderr)
         return 1
     except TopicLayoutError as error:
         print(f"parkade topics: {error}", file=sys.stderr)
         return 2
-    print("\n".join(names))
+    print("\n".join([*names, *replies]))
+    if args.reap:
+        print(
+            f"[deleted {len(deleted)} reply topics of clients gone for over {args.grace:g} s]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -272,6 +300,23 @@ def _subcommand(
     return parser
 
 
+_SERVICE_HELP = {
+    "tokenizer": "run the tokenizer service: requests in, token events out (parkade tokenizer --help)",
+    "scheduler": "run the scheduler service: plans each engine step (parkade scheduler --help)",
+    "executor": "run the executor service: runs the model for each step (parkade executor --help)",
+    "gateway": "run the gateway service: the OpenAI HTTP API (parkade gateway --help)",
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("parkade")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="parkade",
@@ -279,10 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.split("\n")[2:]),
     )
+    parser.add_argument("--version", action="version", version=f"parkade {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SERVICES:
-        sub.add_parser(name, help=f"run the {name} service (parkade {name} --help)", add_help=False)
-    up.add_arguments(_subcommand(sub, "up", "run Parkade on this machine until Ctrl-C", up.main))
+        sub.add_parser(name, help=_SERVICE_HELP[name], add_help=False)
+    up.add_arguments(
+        _subcommand(sub, "up", "run the broker and every service (gateway too) until Ctrl-C", up.main)
+    )
 
     generate = _subcommand(sub, "generate", "stream a completion from a running Parkade", _generate)
     generate.add_argument("prompt")
@@ -290,23 +338,29 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--timeout", type=float, default=300.0, help="seconds to wait for the whole answer (default: 300)"
     )
-    generate.add_argument(
-        "--bootstrap-servers", default=None, help="default: $KAFKA_BOOTSTRAP_SERVERS, else `parkade up`'s"
-    )
-    generate.add_argument("--topic-prefix", default=None, help="default: parkade., or `parkade up`'s")
+    _add_broker_flags(generate)
 
     trace = _subcommand(sub, "trace", "one request's spans as a waterfall (parkade up --trace)", _trace)
     trace.add_argument("request_id")
     trace.add_argument("--file", type=Path, default=None, help="default: $PARKADE_HOME/traces.jsonl")
 
-    topics_ = _subcommand(sub, "topics", "list Parkade's topics; --create: create the missing ones", _topics)
+    topics_ = _subcommand(
+        sub,
+        "topics",
+        "list the topics and the clients' reply topics; --create, --reap",
+        _topics,
+    )
     topics_.add_argument("--create", action="store_true", help="create the missing topics")
     topics_.add_argument(
-        "--bootstrap-servers",
-        default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS"),
-        help="Kafka bootstrap servers (default: $KAFKA_BOOTSTRAP_SERVERS)",
+        "--reap", action="store_true", help="delete the reply topics of clients gone for over --grace"
     )
-    topics_.add_argument("--topic-prefix", default="parkade.", help="(default: parkade.)")
+    topics_.add_argument(
+        "--grace",
+        type=float,
+        default=REAP_GRACE_S,
+        help=f"seconds without a heartbeat before a reply topic is reaped (default: {REAP_GRACE_S:g})",
+    )
+    _add_broker_flags(topics_)
     topics_.add_argument(
         "--broker-wait", type=float, default=60.0, help="seconds to wait for the broker (default: 60)"
     )

@@ -1,9 +1,10 @@
 """Parkade's folder for runtime state: $PARKADE_HOME, else ~/.cache/parkade.
 
-up.json    the running `parkade up`: its pid, broker and topic prefix (how `parkade generate`
-           and `Client()` find it); written atomically once every service is ready, removed
-           when it stops
-logs/      each child's output of the last `parkade up`
+up.json    the running `parkade up`: its pid, broker and topic prefix (how `parkade generate`,
+           `parkade topics` and `Client()` find it); written atomically once every service is
+           ready, removed when it stops
+logs/      each child's output, a folder per run of `parkade up` (`logs/latest`: the newest;
+           see up.py)
 """
 
 from __future__ import annotations

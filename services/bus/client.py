@@ -3,7 +3,9 @@
 The library under `parkade.client.Client` (which finds the broker) and the HTTP gateway.
 
 Each client has a reply topic of its own (`<prefix>tokens.<random>`, named in every request's
-`reply-topic` header), so that its reading cost follows its own traffic; with
+`reply-topic` header), so that its reading cost follows its own traffic; it deletes the topic
+when it stops, keeps a heartbeat for it while it runs, and as it starts reaps the reply topics
+of clients that died without stopping (see replies.py); with
 `own_reply_topic=False` it reads the shared tokens topic instead (every client sees every event
 and keeps those of its own requests), from its end before it sends anything. An event
 whose trace context (`traceparent` header) is not its request's belongs to another request with
@@ -30,6 +32,7 @@ from typing import Any
 import msgspec
 
 from parkade.schemas import AbortRequest, ChatMessage, GenerateRequest, SamplingParams, TokenEvent, topics
+from parkade.services.bus import replies
 from parkade.services.bus.base import Bus, Outgoing, RecordRejected
 from parkade.services.bus.serve import FetchWait, send_all
 from parkade.services.common.prompts import ChatOptions
@@ -74,8 +77,11 @@ class RequestClient:
         bootstrap_servers: str | None = None,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         own_reply_topic: bool = True,
+        heartbeat_s: float = replies.HEARTBEAT_S,
+        reap_grace_s: float = replies.REAP_GRACE_S,
     ) -> None:
-        """Talk to the pipeline over `bus` (`bootstrap_servers` only names it in errors)."""
+        """Talk to the pipeline over `bus` (`bootstrap_servers` only names it in errors).
+        `heartbeat_s`, `reap_grace_s`: for the reply topic (see replies.py)."""
         self.bus = bus
         self.bootstrap_servers = bootstrap_servers
         self.prefix = topic_prefix or topics.DEFAULT_PREFIX
@@ -84,15 +90,44 @@ class RequestClient:
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
         self._decoder = topics.TopicDecoder(topics.TOKENS)
-        shared = topics.topic_name(topics.TOKENS, self.prefix)
-        self.reply_topic = f"{shared}.{uuid.uuid4().hex[:12]}" if own_reply_topic else None
+        self.reply_topic = replies.new_reply_topic(self.prefix) if own_reply_topic else None
+        self.heartbeat_s = heartbeat_s
+        self.reap_grace_s = reap_grace_s
+        self._created = False  # whether this client created its reply topic (and must delete it)
+        self._stopping = asyncio.Event()
+        self._chores: list[asyncio.Task[None]] = []  # the heartbeat, the reaper
 
     async def start(self) -> None:
         if self.reply_topic is not None:
+            self._created = True  # before: a create that fails half-way is deleted as well
             await self.bus.create_topics([self.reply_topic], single_partition=False)
         topic = self.reply_topic or topics.topic_name(topics.TOKENS, self.prefix)
         consumer = await self.bus.consumer([topic], None, from_end=True)
         self._reader = asyncio.create_task(self._read(consumer))
+        if self.reply_topic is not None:
+            self._chores = [asyncio.create_task(self._keep_alive()), asyncio.create_task(self._reap())]
+
+    async def _keep_alive(self) -> None:
+        """The reply topic's heartbeat, until `stop`; a failed one is tried again at the next."""
+        assert self.reply_topic is not None
+        while not self._stopping.is_set():
+            try:
+                await replies.heartbeat(self.bus, self.prefix, self.reply_topic)
+            except Exception as error:
+                log.debug("heartbeat of %s: %s", self.reply_topic, error)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.heartbeat_s)
+
+    async def _reap(self) -> None:
+        """Once, in the background: the leftover reply topics of clients that died."""
+        assert self.reply_topic is not None
+        try:
+            keep = frozenset({self.reply_topic})
+            deleted = await replies.reap(self.bus, self.prefix, grace_s=self.reap_grace_s, keep=keep)
+            if deleted:
+                log.info("deleted %d reply topics of clients gone for %g s", len(deleted), self.reap_grace_s)
+        except Exception as error:  # the next client tries again
+            log.debug("reaping reply topics: %s", error)
 
     async def _read(self, consumer: Any) -> None:
         loop = asyncio.get_running_loop()
@@ -138,15 +173,34 @@ class RequestClient:
             stream.queue.put_nowait(event)
 
     async def stop(self) -> None:
-        """Close; never raises (the broker may be gone already)."""
+        """Close, and delete the reply topic; never raises, and ends within 2 PROBE_S where
+        the broker is gone already (the reaper deletes the topic then)."""
+        # NOTE: the order: the heartbeat ends before the topic is deleted (a commit for a
+        # missing topic creates it again on Tansu), and so does the reader (its consumer too).
+        # The heartbeat is let finish rather than cancelled between its send and its answer.
+        # NOTE: the flag as well as the cancel: on Python 3.11, a cancel that lands as
+        # asyncio.wait_for's inner wait completes is swallowed, and the loop would go on.
+        self._stopping.set()
+        self._closing = True
+        tasks = set(self._chores)
+        if self._chores:
+            self._chores[1].cancel()  # the reaper: nothing of it needs finishing
         if self._reader is not None:
-            # NOTE: the flag as well as the cancel: on Python 3.11, a cancel that lands as
-            # asyncio.wait_for's inner wait completes is swallowed, and the loop would go on.
-            self._closing = True
             self._reader.cancel()
-            await asyncio.wait({self._reader}, timeout=PROBE_S)
-            if self._reader.done() and not self._reader.cancelled():
-                self._reader.exception()  # retrieved: it was reported to the streams
+            tasks.add(self._reader)
+        pending = (await asyncio.wait(tasks, timeout=PROBE_S))[1] if tasks else set()
+        for task in pending:
+            task.cancel()
+        if self._reader is not None and self._reader.done() and not self._reader.cancelled():
+            self._reader.exception()  # retrieved: it was reported to the streams
+        if self._created and self.reply_topic is not None and not pending:
+            try:  # bounded as `cancel`; if it fails, the reaper deletes the topic later
+                await asyncio.wait_for(self.bus.delete_topics([self.reply_topic]), PROBE_S)
+                self._created = False
+            except Exception as error:
+                log.debug("deleting the reply topic %s: %s", self.reply_topic, error)
+        elif self._created:  # the broker does not answer (the heartbeat did not finish)
+            log.debug("reply topic %s left to the reaper: the broker does not answer", self.reply_topic)
         try:
             await asyncio.wait_for(self.bus.close(), PROBE_S)  # bounded as `cancel`
         except Exception as error:

@@ -14,12 +14,13 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import (
+    BrokerResponseError,
     CommitFailedError,
     CorruptRecordException,
     IllegalStateError,
@@ -29,6 +30,8 @@ from aiokafka.errors import (
     RecordListTooLargeError,
     RecordTooLargeError,
     TopicAlreadyExistsError,
+    UnknownTopicOrPartitionError,
+    for_code,
 )
 
 from parkade.services.bus.base import CommitError, Headers, Outcome, OutgoingRecord, Record, RecordRejected
@@ -267,8 +270,64 @@ class KafkaBus:
             )
             await consumer.start()
             consumer.assign([TopicPartition(topic, 0)])
+            # Paused: it only commits, and a fetch of the topic would read its records for nothing.
+            consumer.pause(TopicPartition(topic, 0))
             self._progress[(group_id, topic)] = consumer
         return consumer
+
+    async def save_progress_many(self, group_id: str, offsets: dict[str, int]) -> None:
+        if not offsets:
+            return
+        consumer = AIOKafkaConsumer(
+            **_security(),
+            bootstrap_servers=self.bootstrap_servers,
+            client_id=self.client_id,
+            group_id=group_id,
+            enable_auto_commit=False,
+        )
+        await consumer.start()
+        try:
+            partitions = [TopicPartition(topic, 0) for topic in offsets]
+            consumer.assign(partitions)
+            consumer.pause(*partitions)
+            await consumer.commit({TopicPartition(t, 0): o for t, o in offsets.items()})
+        finally:
+            await consumer.stop()
+
+    async def load_progress_many(self, group_id: str, topics: list[str]) -> dict[str, int]:
+        async with self._admin() as admin:
+            try:
+                return await _committed(admin, group_id, topics)
+            except BrokerResponseError:  # one topic's error fails the batch: ask for each alone
+                out: dict[str, int] = {}
+                for topic in topics:
+                    with contextlib.suppress(BrokerResponseError):
+                        out.update(await _committed(admin, group_id, [topic]))
+                return out
+
+    async def list_topics(self) -> list[str]:
+        async with self._admin() as admin:
+            return list(await admin.list_topics())
+
+    async def delete_topics(self, topics: list[str]) -> None:
+        if not topics:
+            return
+        async with self._admin() as admin:
+            response = await admin.delete_topics(topics)
+        for topic, code in response.topic_error_codes:
+            if code not in (0, UnknownTopicOrPartitionError.errno):  # missing already: done
+                raise for_code(code)(f"deleting topic {topic}")
+
+    @contextlib.asynccontextmanager
+    async def _admin(self) -> AsyncIterator[AIOKafkaAdminClient]:
+        admin = AIOKafkaAdminClient(
+            **_security(), bootstrap_servers=self.bootstrap_servers, client_id=self.client_id
+        )
+        try:
+            await admin.start()
+            yield admin
+        finally:
+            await admin.close()
 
     async def ping(self, timeout_s: float) -> None:
         await wait_for_broker(self.bootstrap_servers, timeout_s=timeout_s)
@@ -280,6 +339,14 @@ class KafkaBus:
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None
+
+
+async def _committed(admin: AIOKafkaAdminClient, group_id: str, topics: list[str]) -> dict[str, int]:
+    # NOTE: partitions named: Tansu 0.6's answer to "every offset of the group" is one aiokafka
+    # cannot decode (it drops the connection).
+    partitions = [TopicPartition(topic, 0) for topic in topics]
+    offsets = await admin.list_consumer_group_offsets(group_id, partitions=partitions)
+    return {tp.topic: kept.offset for tp, kept in offsets.items() if kept.offset >= 0}
 
 
 class BrokerUnreachableError(ConnectionError):

@@ -34,7 +34,7 @@ class MemoryConsumer:
         """Nothing to set: a record wakes a waiting getmany at once."""
 
     def highwaters(self) -> dict[str, int]:
-        return {topic: len(self.bus.topics[topic]) for topic in self.topics}
+        return {topic: len(self.bus.topics.get(topic, ())) for topic in self.topics}
 
     async def getmany(self, timeout_ms: int = 100) -> list[Record]:
         if not self._available():
@@ -43,14 +43,14 @@ class MemoryConsumer:
             except TimeoutError:
                 return []
         out: list[Record] = []
-        for topic in self.topics:
-            records = self.bus.topics[topic][self.positions[topic] :]
+        for topic in self.topics:  # a deleted topic reads as empty, as on Tansu
+            records = self.bus.topics.get(topic, [])[self.positions[topic] :]
             self.positions[topic] += len(records)
             out.extend(records)
         return out
 
     def _available(self) -> bool:
-        return any(len(self.bus.topics[t]) > self.positions[t] for t in self.topics)
+        return any(len(self.bus.topics.get(t, ())) > self.positions[t] for t in self.topics)
 
     async def commit(self, offsets: dict[str, int]) -> None:
         if self.group_id is not None:
@@ -95,6 +95,13 @@ class MemoryBus:
     async def load_progress(self, group_id: str, topic: str) -> int | None:
         return self.progress.get((group_id, topic))
 
+    async def save_progress_many(self, group_id: str, offsets: dict[str, int]) -> None:
+        for topic, offset in offsets.items():
+            self.progress[(group_id, topic)] = offset
+
+    async def load_progress_many(self, group_id: str, topics: list[str]) -> dict[str, int]:
+        return {t: self.progress[(group_id, t)] for t in topics if (group_id, t) in self.progress}
+
     async def queue_many(self, records: list[OutgoingRecord]) -> Awaitable[list[Outcome]]:
         outcomes: list[Outcome] = []
         for r in records:  # in memory: had at once, unless over the size limit
@@ -110,6 +117,20 @@ class MemoryBus:
     async def create_topics(self, topics: list[str], *, single_partition: bool = True) -> None:
         for topic in topics:
             self.topics.setdefault(topic, [])
+
+    async def list_topics(self) -> list[str]:
+        return list(self.topics)
+
+    async def delete_topics(self, topics: list[str]) -> None:
+        # As a Kafka broker does: the records go, and every offset kept for the topics.
+        gone = set(topics)
+        for topic in gone:
+            self.topics.pop(topic, None)
+        for group_offsets in self.offsets.values():
+            for topic in gone & group_offsets.keys():
+                del group_offsets[topic]
+        for key in [k for k in self.progress if k[1] in gone]:
+            del self.progress[key]
 
     async def ping(self, timeout_s: float) -> None:
         pass  # always there

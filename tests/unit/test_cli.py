@@ -150,3 +150,41 @@ def test_client_finds_the_broker_as_parkade_generate_does(monkeypatch):
     client = Client()
     assert (client.bootstrap_servers, client.prefix) == ("kafka:9092", "parkade.")
     assert Client("other:1", "x.").bootstrap_servers == "other:1"
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"parkade {version('parkade')}\n"
+
+
+def test_the_top_level_help_names_every_process_up_runs(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tokenizer, scheduler, executor and the gateway" in text
+    assert "parkade --version" in text
+
+
+def _unreachable() -> str:
+    with socket.socket() as s:  # a free port: nothing answers there
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("argv", [["topics"], ["topics", "--create"], ["topics", "--reap"]])
+def test_topics_finds_the_broker_as_generate_does(argv, monkeypatch, capsys):
+    import os
+
+    assert main(argv) == 2
+    assert "no broker: start one with `parkade up`" in capsys.readouterr().err
+    up_broker = _unreachable()
+    write_state({"pid": os.getpid(), "bootstrap_servers": up_broker, "topic_prefix": "p."})
+    assert main([*argv, "--broker-wait", "0.3"]) == 1
+    assert capsys.readouterr().err.startswith(f"parkade topics: cannot reach the broker at {up_broker}")
+    env_broker = _unreachable()
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", env_broker)
+    assert main([*argv, "--broker-wait", "0.3"]) == 1
+    assert f"cannot reach the broker at {env_broker}" in capsys.readouterr().err

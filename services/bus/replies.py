@@ -1,0 +1,82 @@
+"""Clients' reply topics: their names, the heartbeat that says their client lives, the reaper.
+
+A client with a reply topic of its own (`<prefix>tokens.<12 hex digits>`, see client.py) deletes
+it when it stops. A client that could not (killed with SIGKILL, its machine lost) leaves it
+behind, and Tansu's memory mode keeps every record of it for the broker's life: the reaper
+deletes such topics.
+
+The heartbeat: while a client lives it keeps, every `HEARTBEAT_S`, the time (ms since the epoch)
+as the "offset" of its reply topic in the group `<prefix>reply-topics` (a group's offsets are
+where Kafka keeps small durable numbers; nothing ever reads records as that group). Deleting a
+topic deletes its offsets too.
+
+The reaper (`reap`: each client runs it once as it starts, and `parkade topics --reap`) deletes
+every reply topic whose heartbeat is older than `grace_s`. A reply topic without a heartbeat (its
+client is between creating it and its first heartbeat; or it predates heartbeats; or a late record
+created it again after its client deleted it) is given one by the reaper: its grace starts then.
+
+NOTE: the invariant: a reply topic is deleted only when nobody has kept its heartbeat for
+`grace_s`, and a live client keeps it every HEARTBEAT_S (30 s; the grace is 300 s). So a live
+client can lose its topic only if it could not reach the broker for the whole grace (its streams
+have ended by then with PipelineGoneError), or if its clock is behind the reaper's by more than
+the grace less one heartbeat.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+from parkade.schemas import topics
+from parkade.services.bus.base import Bus
+
+HEARTBEAT_S = 30.0
+REAP_GRACE_S = 300.0
+_REPLY_GROUP = "reply-topics"
+
+
+def new_reply_topic(prefix: str) -> str:
+    """A new client's reply topic: `<prefix>tokens.<12 random hex digits>`."""
+    return f"{topics.topic_name(topics.TOKENS, prefix)}.{uuid.uuid4().hex[:12]}"
+
+
+def is_reply_topic(name: str, prefix: str) -> bool:
+    shared = re.escape(topics.topic_name(topics.TOKENS, prefix))
+    return re.fullmatch(rf"{shared}\.[0-9a-f]{{12}}", name) is not None
+
+
+def heartbeat_group(prefix: str) -> str:
+    return f"{prefix}{_REPLY_GROUP}"
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+async def heartbeat(bus: Bus, prefix: str, reply_topic: str, at_ms: int | None = None) -> None:
+    """Say that the client of `reply_topic` lives (at `at_ms`, default now).
+    NOTE: never after the topic was deleted: on Tansu the commit would create it again."""
+    await bus.save_progress_many(heartbeat_group(prefix), {reply_topic: now_ms() if at_ms is None else at_ms})
+
+
+async def reap(
+    bus: Bus,
+    prefix: str,
+    *,
+    grace_s: float = REAP_GRACE_S,
+    keep: frozenset[str] = frozenset(),
+    at_ms: int | None = None,
+) -> list[str]:
+    """Delete the reply topics (of `prefix`, but not those in `keep`) whose heartbeat is older
+    than `grace_s` at `at_ms` (default now); start the grace of those without one. -> the deleted."""
+    names = [t for t in await bus.list_topics() if is_reply_topic(t, prefix) and t not in keep]
+    if not names:
+        return []
+    at_ms = now_ms() if at_ms is None else at_ms
+    group = heartbeat_group(prefix)
+    beats = await bus.load_progress_many(group, names)
+    await bus.save_progress_many(group, {t: at_ms for t in names if t not in beats})
+    stale = sorted(t for t, beat in beats.items() if at_ms - beat > grace_s * 1000)
+    await bus.delete_topics(stale)
+    return stale

@@ -1,0 +1,116 @@
+"""Clients' reply topics on the in-memory bus: a client deletes its own when it stops, keeps a
+heartbeat for it while it lives, and the reaper deletes those of clients gone for longer than the
+grace, never a live client's (see services/bus/replies.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from parkade.client import Client
+from parkade.services.bus import MemoryBus, replies
+from parkade.services.bus import client as client_module
+
+PREFIX = "t."
+
+
+def reply_topics(bus):
+    return sorted(t for t in bus.topics if replies.is_reply_topic(t, PREFIX))
+
+
+def test_names_that_are_reply_topics():
+    name = replies.new_reply_topic(PREFIX)
+    assert name.startswith("t.tokens.") and replies.is_reply_topic(name, PREFIX)
+    assert not replies.is_reply_topic("t.tokens", PREFIX)  # the shared topic
+    assert not replies.is_reply_topic(name, "u.") and not replies.is_reply_topic(name + "0", PREFIX)
+    assert not replies.is_reply_topic("t.tokensX0123456789ab", PREFIX)
+
+
+def test_a_clients_reply_topic_is_deleted_when_it_stops():
+    async def main():
+        bus = MemoryBus()
+        async with Client(bus=bus, topic_prefix=PREFIX) as client:
+            await asyncio.sleep(0.05)  # its heartbeat is kept
+            assert reply_topics(bus) == [client.reply_topic]
+            assert (replies.heartbeat_group(PREFIX), client.reply_topic) in bus.progress
+        assert reply_topics(bus) == [] and bus.progress == {}
+        await client.stop()  # a second stop: nothing to do, nothing raised
+
+    asyncio.run(main())
+
+
+def killed(client):
+    """As if its process died: its tasks stop and nothing of `stop` runs."""
+    for task in (client._reader, *client._chores):
+        task.cancel()
+
+
+def test_a_killed_clients_topic_is_reaped_after_the_grace_and_a_live_ones_never():
+    async def main():
+        bus = MemoryBus()
+        fast = {"bus": bus, "topic_prefix": PREFIX, "heartbeat_s": 0.05, "reap_grace_s": 0.3}
+        dead, live = Client(**fast), Client(**fast)
+        await dead.start()
+        await live.start()
+        await asyncio.sleep(0.1)
+        killed(dead)
+        assert await replies.reap(bus, PREFIX, grace_s=0.3) == []  # within the grace
+        for _ in range(6):  # well past the grace: only the dead one goes
+            await asyncio.sleep(0.1)
+            deleted = await replies.reap(bus, PREFIX, grace_s=0.3)
+            assert live.reply_topic not in deleted and live.reply_topic in bus.topics
+        assert reply_topics(bus) == [live.reply_topic]
+        # A new client reaps as it starts: the live one's topic stays, a dead one's goes.
+        other = Client(**fast)
+        await other.start()
+        await asyncio.sleep(0.1)  # its heartbeat is kept (killed sooner: the reaper's grace)
+        killed(other)
+        await asyncio.sleep(0.5)
+        async with Client(**fast) as newest:
+            await asyncio.wait(newest._chores[1:], timeout=1)
+            assert reply_topics(bus) == sorted([live.reply_topic, newest.reply_topic])
+        await live.stop()
+        assert reply_topics(bus) == []
+
+    asyncio.run(main())
+
+
+def test_a_reply_topic_without_a_heartbeat_gets_its_grace_from_the_reaper():
+    async def main():
+        bus = MemoryBus()
+        orphan = replies.new_reply_topic(PREFIX)  # a client from before heartbeats, say
+        await bus.create_topics([orphan])
+        now = replies.now_ms()
+        assert await replies.reap(bus, PREFIX, grace_s=60, at_ms=now) == []
+        assert await replies.reap(bus, PREFIX, grace_s=60, at_ms=now + 59_000) == []
+        assert await replies.reap(bus, PREFIX, grace_s=60, at_ms=now + 61_000) == [orphan]
+        assert orphan not in bus.topics
+
+    asyncio.run(main())
+
+
+class _GoneBus(MemoryBus):
+    """A broker that stopped answering: every admin call waits forever."""
+
+    async def delete_topics(self, topics):
+        await asyncio.Event().wait()
+
+    async def save_progress_many(self, group_id, offsets):
+        await asyncio.Event().wait()
+
+    async def close(self):
+        await asyncio.Event().wait()
+
+
+def test_stop_after_the_broker_is_gone_neither_hangs_nor_raises():
+    async def main():
+        bus = _GoneBus()
+        client = Client(bus=bus, topic_prefix=PREFIX)
+        await client.start()
+        await asyncio.sleep(0.05)  # the heartbeat is stuck in its send
+        began = time.monotonic()
+        await client.stop()
+        return time.monotonic() - began
+
+    took = asyncio.run(main())
+    assert took < 2 * client_module.PROBE_S + 1
