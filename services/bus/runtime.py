@@ -220,9 +220,16 @@ def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> in
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def stopping(sig: signal.Signals) -> None:
+            if not stop.is_set():
+                log.info("stopping (%s): finishing what is in flight", sig.name)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stopping, sig)
         await serve(stop)
+        log.info("stopped")
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(main())

@@ -114,8 +114,9 @@ class ExecutorLink:
         if self.executor_id is not None:
             self.retired.add(self.executor_id)
         log.info(
-            "executor %s joined: %d blocks of %d tokens (replacing %s)",
-            announcement.executor_id, announcement.num_blocks, announcement.block_size, self.executor_id,
+            "executor %s joined: %d blocks of %d tokens%s",
+            announcement.executor_id, announcement.num_blocks, announcement.block_size,
+            f" (replacing {self.executor_id})" if self.executor_id is not None else "",
             extra={"executor_id": announcement.executor_id},
         )  # fmt: skip
         self.executor_id, self.vocab_size = announcement.executor_id, announcement.vocab_size

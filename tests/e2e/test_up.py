@@ -6,6 +6,7 @@ folder), streams one completion, then sends SIGTERM and checks that every child 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -252,4 +253,10 @@ def test_every_service_metrics_and_the_api_key_under_up(tmp_path):
     assert "k-123" not in words and "--api-key" not in words  # the key went by the environment
     stopping, stopped = banner.index("parkade up: stopping"), banner.index("parkade up: stopped")
     assert stopping < stopped and "the embedded broker held" in banner[stopped:]
-    assert (tmp_path / "logs" / "latest" / "gateway.log").exists()
+    # Each service's log: a clean start and stop have no warning, and the stop is in it.
+    for name in ("tokenizer", "scheduler", "executor", "gateway"):
+        lines = (tmp_path / "logs" / "latest" / f"{name}.log").read_text().splitlines()
+        events = [json.loads(line) for line in lines if line.startswith("{")]
+        assert [e for e in events if e["level"] not in ("info", "debug")] == [], name
+        said = [e["event"] for e in events]
+        assert "stopping (SIGTERM): finishing what is in flight" in said and said[-1] == "stopped", name
