@@ -40,3 +40,6 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="token_event"):
     sample_index: int = 0
     # On the first event of sample 0 when asked for: see GeneratedTokens.prompt_logprobs.
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    # With `error`: the request's field to change, when one is to blame ("max_tokens" for a
+    # prompt + max_tokens over the model's max_model_len); the gateway answers with it as `param`.
+    error_param: str | None = None

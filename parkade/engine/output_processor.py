@@ -77,7 +77,7 @@ class OutputProcessor:
                 stopped.append((event.request_id, str(update.stop_reason)))
             stopped += [(engine_id, None) for engine_id in update.cancel]
             if update.finish_reason is not None:
-                completion.finish_reason = update.finish_reason
+                completion.finish_reason = update.finish_reason.value  # see CompletionOutput
                 completion.stop_reason = update.stop_reason
             if entry.stream.finished:
                 self._forget(entry.stream)

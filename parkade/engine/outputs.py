@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from parkade.schemas import FinishReason
-
 
 @dataclass
 class Logprob:
@@ -29,7 +27,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: FinishReason | None = None  # a str: "stop", "length", "abort" or "error"
+    # "stop", "length", "abort" or "error": a plain str, so that it prints as vLLM's does
+    # (`finish_reason='length'`); it still equals the FinishReason of the same value.
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
 
     def finished(self) -> bool:

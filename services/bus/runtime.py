@@ -40,7 +40,10 @@ EXIT_DUPLICATE = 3  # another instance serves these topics: `parkade up` does no
 def service_parser(name: str, description: str | None, *, replica: bool = False) -> argparse.ArgumentParser:
     """A service's argument parser with the bus arguments every service takes (`replica`: and
     --replica, for the scheduler and the executor)."""
-    parser = argparse.ArgumentParser(prog=f"parkade {name}", description=description)
+    # NOTE: the description is the service's module docstring: its layout (lists, tables) kept.
+    parser = argparse.ArgumentParser(
+        prog=f"parkade {name}", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     if replica:
         parser.add_argument(
             "--replica",

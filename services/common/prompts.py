@@ -55,7 +55,6 @@ def prompt_token_ids(
     tokenizer: Any | None,
     *,
     vocab_size: int,
-    max_model_len: int | None,
     prompt: str | None = None,
     prompt_token_ids: Sequence[int] | None = None,
     messages: ChatType | None = None,
@@ -63,20 +62,14 @@ def prompt_token_ids(
     truncate: int | None = None,
 ) -> list[int]:
     """Token ids win over `messages` (rendered with the chat template, see `ChatOptions`), which
-    win over `prompt` text. `truncate` keeps only the last k tokens (-1: max_model_len of them),
-    as vLLM's `truncate_prompt_tokens`. ValueError for a prompt that cannot run on this model:
-    no tokens, longer than `max_model_len` (the model's own limit), ids outside its vocabulary."""
+    win over `prompt` text. `truncate` keeps only the last k tokens, as vLLM's
+    `truncate_prompt_tokens`. ValueError for a prompt that cannot run on this model: no tokens,
+    ids outside its vocabulary. (Its length against the context: `context.prompt_token_ids`.)"""
     token_ids = _tokenize(tokenizer, prompt, prompt_token_ids, messages, chat or ChatOptions())
-    if truncate is not None:
-        keep = max_model_len if truncate == -1 else truncate
-        if keep is not None and len(token_ids) > keep:
-            token_ids = token_ids[-keep:]
+    if truncate is not None and len(token_ids) > truncate:
+        token_ids = token_ids[-truncate:]
     if not token_ids:
         raise ValueError("the prompt has no tokens")
-    if max_model_len is not None and len(token_ids) > max_model_len:
-        raise ValueError(
-            f"the prompt has {len(token_ids)} tokens, more than the model's max_model_len={max_model_len}"
-        )
     if not 0 <= min(token_ids) <= max(token_ids) < vocab_size:
         raise ValueError(f"prompt_token_ids must be in [0, {vocab_size}) (the model's vocab_size)")
     return token_ids

@@ -5,8 +5,10 @@ reaches the pipeline, and the text of a token for logprobs.
                                          per prompt) and a Choice to gather each one's events
 
 A request is refused here (GatewayError, in OpenAI's shape) when its body or a parameter is
-invalid (400), it names another model (404), or a prompt cannot run on the model (too long for
-it, ids outside its vocabulary: 400), so that such a request never travels through Kafka. What
+invalid (400), it names another model (404), or a prompt cannot run on the model (empty, too
+long for it alone or with the max_tokens the client set, ids outside its vocabulary: 400; the
+context-length ones in vLLM's words and shape), so that such a request never travels through
+Kafka. What
 passes is tokenized here, once (a chat rendered by its template, the bad words too): it travels
 as token ids, which the tokenizer service takes as they are.
 """
@@ -24,7 +26,7 @@ import msgspec
 
 from parkade.models import DEFAULT_MODEL
 from parkade.schemas import SamplingParams
-from parkade.services.common import prompts
+from parkade.services.common import context, prompts
 from parkade.services.common.model_config import ModelConfig, resolve_max_model_len
 from parkade.services.common.model_files import MODEL_METADATA, check_model_folder, load_tokenizer
 from parkade.services.common.simulation import SIMULATE_METADATA, max_positions
@@ -34,6 +36,7 @@ from parkade.services.gateway.protocol import (
     GatewayError,
     OpenAIRequest,
     Prompt,
+    context_length_error,
     parse_chat,
     parse_completion,
 )
@@ -92,6 +95,7 @@ class GatewayHandler:
         self.root = root
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.token_bound = context.TokenLowerBound.from_tokenizer(tokenizer)  # see FrontEnd's
         self.trust_request_chat_template = trust_request_chat_template
         self.created = int(time.time())
         self._anchor = tokenizer.encode("a", add_special_tokens=False)[-1]
@@ -160,7 +164,7 @@ class GatewayHandler:
                     # text does not travel too: nothing past here reads it, and it would double
                     # the record's size against the broker's limit).
                     "prompt_token_ids": token_ids,
-                    "sampling_params": params,
+                    "sampling_params": self._fitted(request, params, len(token_ids)),
                     "priority": request.priority,
                     "cache_salt": request.cache_salt,
                     "session_id": request.user,  # OpenAI's `user`: the session router's key
@@ -179,11 +183,28 @@ class GatewayHandler:
         except ValueError as error:
             raise GatewayError(400, str(error), "bad_words") from None
 
+    def _fitted(self, request: OpenAIRequest, params: SamplingParams, num_prompt: int) -> SamplingParams:
+        """`params` for one prompt. A max_tokens the client set must fit in the context with the
+        prompt (400 in vLLM's words otherwise); the completions default (16) that does not fit
+        becomes the rest of the context (max_tokens=None), as when the client sets none."""
+        field_ = request.max_tokens_field
+        if field_ is not None:
+            try:
+                context.check_context_length(
+                    num_prompt, params.max_tokens, self.max_model_len, max_tokens_name=field_
+                )
+            except context.ContextLengthError as error:
+                raise context_length_error(str(error), error.param) from None
+        elif params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
+            return msgspec.structs.replace(params, max_tokens=None)
+        return params
+
     def _prompt_token_ids(self, request: OpenAIRequest, prompt: Prompt, param: str) -> list[int]:
         """The prompt tokenized (a chat rendered first) and checked against the model."""
         try:
-            return prompts.prompt_token_ids(
+            return context.prompt_token_ids(
                 self.tokenizer,
+                bound=self.token_bound,
                 vocab_size=self.vocab_size,
                 max_model_len=self.max_model_len,
                 prompt=prompt.text,
@@ -192,6 +213,8 @@ class GatewayHandler:
                 chat=request.chat_options,
                 truncate=request.params.truncate_prompt_tokens,
             )
+        except context.ContextLengthError as error:
+            raise context_length_error(str(error), param) from None
         except Exception as error:  # a template may raise anything on a chat it refuses
             raise GatewayError(400, str(error), param) from None
 

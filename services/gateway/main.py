@@ -63,6 +63,10 @@ SEND_TIMEOUT_S = 30.0
 # At a stop, open requests get this long to end; then their streams are cut (and aborted).
 GRACEFUL_STOP_S = 3.0
 BROKER_PROBE_S = 2.0
+# Each SSE line ends with "\n", so each event with "\n\n", as OpenAI's and vLLM's servers
+# frame them (sse-starlette's default is "\r\n"): clients that split events on a blank line
+# the simple way (`buf.split(b"\n\n")`) would otherwise miss where one event ends.
+SSE_SEP = "\n"
 
 
 class ClientGone(Exception):
@@ -378,7 +382,7 @@ class Gateway:
                 # send_timeout: a client that stops reading for that long is gone (its request
                 # is aborted) rather than holding its KV blocks until max_tokens.
                 stream = self._sse(opened, choices, first, arrival)
-                return EventSourceResponse(stream, ping=15, send_timeout=SEND_TIMEOUT_S)
+                return EventSourceResponse(stream, ping=15, send_timeout=SEND_TIMEOUT_S, sep=SSE_SEP)
             for index, event in first:
                 opened.choices[index].add(event)  # first events are never errors here
             await unless_disconnected(request, self._rest(opened, choices, arrival))

@@ -14,6 +14,7 @@ not know is ignored, as vLLM's server does (OpenAI's clients send fields such as
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 import uuid
@@ -47,23 +48,38 @@ STATUS_OF_ERROR_KIND = {
 
 
 class GatewayError(Exception):
-    """An answer in OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`."""
+    """An answer in OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`.
+    `error_type`: in place of OpenAI's type for the status (see `context_length_error`)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | int | None = None,
+        error_type: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.error_type = error_type or _ERROR_TYPES.get(status, "server_error")
 
     def body(self) -> dict[str, Any]:
-        error_type = _ERROR_TYPES.get(self.status, "server_error")
-        return {
-            "error": {"message": self.message, "type": error_type, "param": self.param, "code": self.code}
-        }
+        error = {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
+        return {"error": error}
+
+
+def context_length_error(message: str, param: str | None) -> GatewayError:
+    """A request over the model's context length, answered word for word as vLLM's server does
+    (`"type": "BadRequestError", "code": 400`), so that clients written against vLLM that look
+    for it find it."""
+    return GatewayError(400, message, param, code=400, error_type="BadRequestError")
 
 
 def pipeline_error(event: TokenEvent) -> GatewayError:
-    """The answer to a request that the pipeline ended with an error event."""
+    """The answer to a request that the pipeline ended with an error event (the field to blame,
+    when the event names one, as `param`)."""
     status = STATUS_OF_ERROR_KIND.get(event.error_kind or ErrorKind.INTERNAL, 500)
-    return GatewayError(status, event.error or "the request failed", code=event.error_kind)
+    return GatewayError(status, event.error or "the request failed", event.error_param, code=event.error_kind)
 
 
 # ---- request bodies --------------------------------------------------------------------------
@@ -127,7 +143,7 @@ class MessageBody(msgspec.Struct, kw_only=True):
 
 
 class ChatBody(_Common, kw_only=True):
-    messages: list[MessageBody] = []
+    messages: list[MessageBody] | None = None
     chat_template: str | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -163,6 +179,9 @@ class OpenAIRequest:
     user: str | None = None
     cache_salt: str | None = None
     chat_options: ChatOptions | None = None  # for a chat
+    # The field that set `params.max_tokens` ("max_tokens", "max_completion_tokens"); None when
+    # the client set none: then no prompt is refused for it (see GatewayHandler.open).
+    max_tokens_field: str | None = None
 
 
 MAX_N = 128  # OpenAI's limit on n
@@ -268,6 +287,8 @@ def _request(
 
 
 def _prompts(prompt: Any) -> list[Prompt]:
+    if prompt is None:
+        raise GatewayError(400, "prompt is required", "prompt")
     if isinstance(prompt, str):
         return [Prompt(text=prompt)]
     if isinstance(prompt, list) and prompt:
@@ -292,7 +313,8 @@ def parse_completion(body: bytes) -> OpenAIRequest:
         raise GatewayError(400, "suffix is not supported", "suffix")
     max_tokens = 16 if request.max_tokens is None else request.max_tokens  # OpenAI's default
     params = _sampling_params(request, max_tokens, request.logprobs)
-    return _request(request, False, _prompts(request.prompt), params)
+    checked = _request(request, False, _prompts(request.prompt), params)
+    return dataclasses.replace(checked, max_tokens_field=None if request.max_tokens is None else "max_tokens")
 
 
 def _message(message: MessageBody) -> ChatMessage:
@@ -310,6 +332,8 @@ def parse_chat(body: bytes) -> OpenAIRequest:
     """A `/v1/chat/completions` body, checked (GatewayError 400 naming the field)."""
     request = _decode(body, ChatBody)
     _refuse_unsupported(request)
+    if request.messages is None:
+        raise GatewayError(400, "messages is required", "messages")
     if not request.messages:
         raise GatewayError(400, "messages must be a non-empty list", "messages")
     if request.tools:
@@ -319,9 +343,8 @@ def parse_chat(body: bytes) -> OpenAIRequest:
     if request.top_logprobs is not None and not request.logprobs:
         raise GatewayError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     # max_completion_tokens is OpenAI's current name; max_tokens its deprecated one.
-    max_tokens = (
-        request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    )
+    field_ = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(request, field_)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = _sampling_params(request, max_tokens, logprobs)
     messages = tuple(_message(m) for m in request.messages)
@@ -334,7 +357,8 @@ def parse_chat(body: bytes) -> OpenAIRequest:
         )
     except ValueError as error:
         raise GatewayError(400, str(error), "continue_final_message") from None
-    return _request(request, True, [Prompt(messages=messages)], params, options)
+    checked = _request(request, True, [Prompt(messages=messages)], params, options)
+    return dataclasses.replace(checked, max_tokens_field=None if max_tokens is None else field_)
 
 
 # ---- answers ---------------------------------------------------------------------------------

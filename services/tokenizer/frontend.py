@@ -38,7 +38,7 @@ from parkade.schemas import (
     Usage,
     sample_request_id,
 )
-from parkade.services.common import prompts
+from parkade.services.common import context, prompts
 from parkade.services.common.model_config import ModelConfig, resolve_max_model_len
 from parkade.services.common.model_files import (
     MAX_MODEL_LEN_METADATA,
@@ -288,6 +288,9 @@ class FrontEnd:
         # refuses; a prompt over this could never run anywhere, and an absurdly long one must not
         # travel further (a record over the broker's size limit).
         self.max_model_len = max_model_len
+        # Refuses a text that cannot fit before it is tokenized (None: this tokenizer's rules
+        # give no bound, and every text is tokenized).
+        self.token_bound = None if tokenizer is None else context.TokenLowerBound.from_tokenizer(tokenizer)
         self.trust_request_chat_template = trust_request_chat_template
         self._last_arrival = 0.0
 
@@ -322,7 +325,9 @@ class FrontEnd:
     ) -> tuple[EngineRequest, RequestStream]:
         """Tokenize and check one request. `prompt_token_ids` win over `messages` (rendered with
         the chat template, as `chat` says), which win over `prompt` text; with token ids, `prompt`
-        is only kept for the output. Raises ValueError for a request that cannot run on this model.
+        is only kept for the output. Raises ValueError for a request that cannot run on this model:
+        ContextLengthError for a prompt, or a prompt with `max_tokens` outputs, over max_model_len
+        (`context.check_context_length`; max_tokens=None asks for the rest of the context).
 
         -> (sample 0's EngineRequest, the stream); with n > 1 samples, `stream.engine_requests`
         holds one EngineRequest per sample (ids from `sample_request_id`), sent to the scheduler
@@ -331,6 +336,7 @@ class FrontEnd:
         token_ids = self.prompt_token_ids(
             prompt, prompt_token_ids, messages, chat=chat, truncate=params.truncate_prompt_tokens
         )
+        context.check_context_length(len(token_ids), params.max_tokens, self.max_model_len)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         params = prompts.resolve_bad_words(self.tokenizer, params)
@@ -395,9 +401,10 @@ class FrontEnd:
         chat: ChatOptions | None = None,
         truncate: int | None = None,
     ) -> list[int]:
-        """The prompt's token ids, checked against the model (see `prompts.prompt_token_ids`)."""
-        return prompts.prompt_token_ids(
+        """The prompt's token ids, checked against the model (see `context.prompt_token_ids`)."""
+        return context.prompt_token_ids(
             self.tokenizer,
+            bound=self.token_bound,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             prompt=prompt,

@@ -123,10 +123,20 @@ def tokens_out(event: TokenEvent, headers: Headers) -> Outgoing:
 
 
 def error_event(
-    request_id: str, message: str, kind: ErrorKind, headers: Headers = (), index: int = 0
+    request_id: str,
+    message: str,
+    kind: ErrorKind,
+    headers: Headers = (),
+    index: int = 0,
+    param: str | None = None,
 ) -> Outgoing:
     event = TokenEvent(
-        request_id=request_id, index=index, finish_reason=FinishReason.ERROR, error=message, error_kind=kind
+        request_id=request_id,
+        index=index,
+        finish_reason=FinishReason.ERROR,
+        error=message,
+        error_kind=kind,
+        error_param=param,
     )
     return tokens_out(event, headers)
 
@@ -332,7 +342,8 @@ class TokenizerHandler(ReplicaRouting, Service):
             span.set_status(tracing.trace.Status(tracing.trace.StatusCode.ERROR, str(error)))
             span.end()
             self.finished.add(request_id, source)
-            return [error_event(request_id, str(error), ErrorKind.INVALID_REQUEST, headers)]
+            param = getattr(error, "param", None)  # a ContextLengthError names max_tokens
+            return [error_event(request_id, str(error), ErrorKind.INVALID_REQUEST, headers, param=param)]
         span.set_attribute("parkade.prompt_tokens", len(request.prompt_token_ids))
         span.end()
         if tracing.enabled() and not tracing.carries_context(headers):

@@ -8,6 +8,7 @@ topics, a real HTTP server on a free port), so a test can look at the scheduler'
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import httpx
@@ -199,7 +200,11 @@ def test_errors_are_answered_as_openai_clients_expect(module_broker):
 
     seen, large, no_key, open_paths, metrics, health = run_with_gateway(module_broker, body, api_key="secret")
     assert all(body["param"] == name for name, body in seen.items()) and len(seen) == 5
-    assert "more than the model's max_model_len=512" in seen["prompt"]["message"]
+    assert seen["prompt"]["message"] == (
+        "This model's maximum context length is 512 tokens. However, your request has 602 input tokens. "
+        "Please reduce the length of the input messages."
+    )
+    assert seen["prompt"]["type"] == "BadRequestError" and seen["prompt"]["code"] == 400
     assert [r.status_code for r in large] == [413, 413]
     assert large[0].json()["error"]["type"] == "invalid_request_error"
     assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
@@ -285,6 +290,67 @@ def test_64_concurrent_streaming_clients_each_get_their_whole_stream_in_order(mo
         reasons = [c.choices[0].finish_reason for c in chunks]
         assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
     assert all_free
+
+
+def test_sse_events_end_with_a_blank_line_so_a_plain_split_reads_every_stream(module_broker):
+    """OpenAI and vLLM end each event with "\\n\\n": a client that reads large chunks and splits
+    them on a blank line the simple way gets every event of every stream, even when several
+    arrive in one read."""
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]}{' and' * (i // len(PROMPTS))}" for i in range(24)]
+
+    async def body(pipeline, url):
+        async def one(http, prompt):
+            payload = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}
+            raw = b""
+            async with http.stream("POST", f"{url}/completions", json=payload) as response:
+                assert response.status_code == 200
+                async for chunk in response.aiter_raw(1 << 16):
+                    raw += chunk
+            return raw
+
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*(one(http, p) for p in prompts))
+
+    for raw in run_with_gateway(module_broker, body):
+        assert b"\r" not in raw
+        events = [e for e in raw.split(b"\n\n") if e]
+        assert all(e.startswith(b"data: ") and b"\n" not in e for e in events), events
+        assert events[-1] == b"data: [DONE]"
+        chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        assert sum(1 for c in chunks if c["choices"][0]["text"]) >= 1 and text
+
+
+def test_max_tokens_past_the_context_and_empty_prompts_are_answered_400(module_broker):
+    async def body(pipeline, url):
+        async with httpx.AsyncClient(timeout=60) as http:
+            answers = {}
+            for name, payload in {
+                "max_tokens": {"prompt": "Once upon a time", "max_tokens": 100_000},
+                "empty": {"prompt": ""},
+                "missing": {"max_tokens": 4},
+            }.items():
+                answers[name] = await http.post(f"{url}/completions", json=payload)
+            return answers
+
+    answers = run_with_gateway(module_broker, body)
+    assert {name: a.status_code for name, a in answers.items()} == {
+        "max_tokens": 400,
+        "empty": 400,
+        "missing": 400,
+    }
+    assert answers["max_tokens"].json() == {
+        "error": {
+            "message": "'max_tokens' is too large: 100000. This model's maximum context length is 512 tokens "
+            "and your request has 5 input tokens (100000 > 512 - 5).",
+            "type": "BadRequestError",
+            "param": "max_tokens",
+            "code": 400,
+        }
+    }
+    assert answers["empty"].json()["error"]["message"] == "The prompt cannot be empty."
+    assert answers["missing"].json()["error"]["message"] == "prompt is required"
 
 
 def test_n_samples_salts_and_chat_options_over_http(module_broker):

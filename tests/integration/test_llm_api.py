@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from parkade import LLM, AsyncLLM, SamplingParams
 from parkade.engine.core import EngineDeadError
+from parkade.schemas import FinishReason
 
 
 @pytest.fixture(scope="module")
@@ -87,14 +88,16 @@ def test_logprobs_are_the_models_raw_log_softmax(llm):
 def test_impossible_prompts_fail_at_once_and_nothing_runs(llm):
     tok = llm.get_tokenizer()
     long_prompt = {"prompt_token_ids": [5] * 257}
-    with pytest.raises(ValueError, match="max_model_len=256"):
+    with pytest.raises(
+        ValueError, match=r"length is 256 tokens\. However, your request has 257 input tokens"
+    ):
         llm.generate(["Once upon a time", long_prompt], SamplingParams(max_tokens=5))
     assert not llm.engine.has_unfinished_requests()
     four_blocks = dict(dtype="float32", block_size=8, kv_cache_memory_bytes=4 * 8 * 1280)
     small_pool = LLM(STORIES, **four_blocks)
     assert small_pool.engine.core.scheduler.kv.num_blocks == 4
     # Unset, max_model_len shrinks to what the pool holds; such a prompt is refused at once.
-    with pytest.raises(ValueError, match="max_model_len=32"):
+    with pytest.raises(ValueError, match="maximum context length is 32 tokens"):
         small_pool.generate({"prompt_token_ids": tok.encode("Once upon a time " * 10)})
     with pytest.raises(ValueError, match="more than the KV pool holds"):
         LLM(STORIES, max_model_len=64, **four_blocks)
@@ -102,6 +105,25 @@ def test_impossible_prompts_fail_at_once_and_nothing_runs(llm):
         LLM(STORIES, max_model_len=1024)
     with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, 512\)"):
         llm.generate({"prompt_token_ids": [1, 512]})
+
+
+def test_max_tokens_past_the_context_and_empty_prompts_raise_as_in_vllm(llm):
+    prompt = {"prompt_token_ids": [1] + [5] * 6}
+    with pytest.raises(ValueError) as error:
+        llm.generate([prompt, "Once upon a time"], SamplingParams(max_tokens=100_000))
+    assert str(error.value) == (
+        "'max_tokens' is too large: 100000. This model's maximum context length is 256 tokens and "
+        "your request has 7 input tokens (100000 > 256 - 7)."
+    )
+    with pytest.raises(ValueError, match=r"^The prompt cannot be empty\.$"):
+        llm.generate("", SamplingParams(max_tokens=5))
+    assert not llm.engine.has_unfinished_requests()
+    (output,) = llm.generate("Once", SamplingParams(max_tokens=3, ignore_eos=True))
+    # vLLM's users see finish_reason='length', and comparing with the enum still works.
+    assert "finish_reason='length'" in repr(output.outputs[0])
+    assert output.outputs[0].finish_reason == FinishReason.LENGTH == "length"
+    (rest,) = llm.generate({"prompt_token_ids": [1] + [5] * 250}, SamplingParams(max_tokens=None))
+    assert len(rest.outputs[0].token_ids) <= 5  # unset: the rest of the context
 
 
 def test_priority_argument_and_token_id_prompts(llm):
@@ -125,6 +147,9 @@ def test_async_llm_streams_and_an_abort_frees_blocks():
         async for output in engine.generate("Once upon a time", params, request_id="full"):
             seen.append(len(output.outputs[0].token_ids))
         assert seen == list(range(1, 41)) and output.finished
+        with pytest.raises(ValueError, match=r"^'max_tokens' is too large: 300\. "):
+            async for _ in engine.generate("Once", SamplingParams(max_tokens=300)):
+                pass
 
         async def consume_and_abort():
             texts = []
@@ -150,7 +175,7 @@ def test_async_llm_streams_and_an_abort_frees_blocks():
             await asyncio.sleep(0.01)
         assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
         scheduler.check_integrity()
-        with pytest.raises(ValueError, match="max_model_len"):
+        with pytest.raises(ValueError, match="maximum context length is 256 tokens"):
             async for _ in engine.generate({"prompt_token_ids": [5] * 300}, params):
                 pass
 

@@ -55,8 +55,8 @@ def test_requests_that_cannot_run_are_refused_with_the_reason(frontend):
     with pytest.raises(ValueError, match="no tokens"):
         frontend.make_request("x", prompt_token_ids=[])
     # stories260K's max_position_embeddings is 512: a prompt over it never leaves the front end
-    frontend.make_request("x", prompt_token_ids=[5] * 512)
-    with pytest.raises(ValueError, match="has 1048577 tokens, more than the model's max_model_len=512"):
+    frontend.make_request("x", prompt_token_ids=[5] * 512, sampling_params=SamplingParams(max_tokens=None))
+    with pytest.raises(ValueError, match="However, your request has 1048577 input tokens"):
         frontend.make_request("x", prompt_token_ids=[5] * 1_048_577)
     without_template = FrontEnd(
         copy.deepcopy(frontend.tokenizer), vocab_size=512, eos_token_ids=(2,), max_model_len=512
@@ -116,3 +116,38 @@ def test_an_error_from_the_scheduler_ends_the_stream(frontend):
         GeneratedTokens(request_id="r", index=0, token_ids=(), finish_reason=FinishReason.ERROR, error="boom")
     )
     assert (update.finish_reason, update.error) == ("error", "boom") and stream.finished
+
+
+def test_max_tokens_that_cannot_fit_and_empty_prompts_are_refused(frontend):
+    """The context rule on the path the Python API and the requests topic share."""
+    seven = [1] + [5] * 6
+    with pytest.raises(ValueError) as error:
+        frontend.make_request("x", prompt_token_ids=seven, sampling_params=SamplingParams(max_tokens=100_000))
+    assert str(error.value) == (
+        "'max_tokens' is too large: 100000. This model's maximum context length is 512 tokens and "
+        "your request has 7 input tokens (100000 > 512 - 7)."
+    )
+    assert error.value.param == "max_tokens"  # the tokenizer service's error event names it
+    with pytest.raises(ValueError, match=r"\(100 > 512 - 507\)"):
+        frontend.make_request("x", prompt_token_ids=[5] * 507, sampling_params=SamplingParams(max_tokens=100))
+    fits, _ = frontend.make_request(
+        "x", prompt_token_ids=[5] * 507, sampling_params=SamplingParams(max_tokens=5)
+    )
+    rest, _ = frontend.make_request(
+        "x", prompt_token_ids=[5] * 511, sampling_params=SamplingParams(max_tokens=None)
+    )
+    assert fits.sampling_params.max_tokens == 5 and rest.sampling_params.max_tokens is None
+    for empty in (dict(prompt=""), {"prompt": ""}):
+        with pytest.raises(ValueError, match=r"^The prompt cannot be empty\.$"):
+            frontend.make_request("x", **prompt_fields(empty))
+    with pytest.raises(ValueError, match=r"^The prompt cannot be empty\.$"):
+        frontend.make_request_from(GenerateRequest(request_id="x", prompt=""))
+
+
+def test_a_megabyte_prompt_is_refused_by_its_length_before_tokenizing(frontend):
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="However, your request has at least 142858 input tokens"):
+        frontend.make_request_from(GenerateRequest(request_id="x", prompt="Once " * 200_000))
+    assert time.perf_counter() - start < 0.05  # tokenizing it takes about 0.15 s

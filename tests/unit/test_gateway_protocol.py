@@ -84,9 +84,10 @@ def test_the_handler_refuses_what_cannot_run_and_names_choices(handler):
     with pytest.raises(GatewayError) as error:
         handler.open(False, body(model="gpt-4", prompt="Hi"))
     assert error.value.status == 404 and error.value.code == "model_not_found"
-    with pytest.raises(GatewayError, match="max_model_len=512") as error:
+    with pytest.raises(
+        GatewayError, match=r"maximum context length is 512 tokens. However, your request has 513"
+    ):
         handler.open(False, body(prompt=[5] * 513))
-    assert error.value.param == "prompt"
     with pytest.raises(GatewayError, match=r"\[0, 512\)"):
         handler.open(False, body(prompt=[[5, 600]]))
     opened = handler.open(False, body(model=MODEL, prompt=["Once upon", "Lily"]))
@@ -174,3 +175,79 @@ def test_samples_are_choices_and_requests_templates_need_trust(handler):
     )
     cut = handler.open(False, body(prompt="Once upon a time", truncate_prompt_tokens=-1))
     assert cut.submits[0]["sampling_params"].truncate_prompt_tokens == 512  # its limit, as a number
+
+
+def test_max_tokens_over_the_context_is_refused_as_vllm_refuses_it(handler):
+    with pytest.raises(GatewayError) as error:
+        handler.open(False, body(prompt=[5] * 7, max_tokens=100_000))
+    assert error.value.status == 400
+    assert error.value.body() == {
+        "error": {
+            "message": "'max_tokens' is too large: 100000. This model's maximum context length is 512 "
+            "tokens and your request has 7 input tokens (100000 > 512 - 7).",
+            "type": "BadRequestError",
+            "param": "max_tokens",
+            "code": 400,
+        }
+    }
+    with pytest.raises(GatewayError, match=r"'max_tokens' is too large: 100\. .* \(100 > 512 - 507\)"):
+        handler.open(False, body(prompt=[5] * 507, max_tokens=100))
+    chat = body(messages=[{"role": "user", "content": "Hi"}], max_completion_tokens=600)
+    with pytest.raises(GatewayError, match=r"^'max_completion_tokens' is too large: 600") as error:
+        handler.open(True, chat)
+    assert error.value.param == "max_completion_tokens"
+    with pytest.raises(GatewayError, match=r"^'max_tokens' is too large: 600") as error:
+        handler.open(True, body(messages=[{"role": "user", "content": "Hi"}], max_tokens=600))
+    assert error.value.param == "max_tokens"
+    # A too-long prompt: vLLM's words and shape too, naming the prompt's field.
+    with pytest.raises(GatewayError) as error:
+        handler.open(False, body(prompt="x" * 4000))  # refused by its length: >= 572 tokens
+    assert error.value.body()["error"] == {
+        "message": "This model's maximum context length is 512 tokens. However, your request has at "
+        "least 572 input tokens. Please reduce the length of the input messages.",
+        "type": "BadRequestError",
+        "param": "prompt",
+        "code": 400,
+    }
+
+
+def test_max_tokens_unset_is_the_rest_of_the_context(handler):
+    # Completions' default (16) that does not fit becomes the rest of the context, as before.
+    opened = handler.open(False, body(prompt=[[5] * 507, [5] * 7]))
+    assert [s["sampling_params"].max_tokens for s in opened.submits] == [None, 16]
+    assert (
+        handler.open(False, body(prompt=[5] * 507, max_tokens=5)).submits[0]["sampling_params"].max_tokens
+        == 5
+    )
+    chat = handler.open(True, body(messages=[{"role": "user", "content": "Hi"}]))
+    assert chat.submits[0]["sampling_params"].max_tokens is None
+
+
+def test_empty_and_missing_prompts_are_refused_by_name(handler):
+    with pytest.raises(GatewayError, match=r"^The prompt cannot be empty.$") as error:
+        handler.open(False, body(prompt=""))
+    assert error.value.status == 400 and error.value.param == "prompt"
+    with pytest.raises(GatewayError, match=r"^The prompt cannot be empty.$"):
+        handler.open(False, body(prompt=["Once", ""]))
+    with pytest.raises(GatewayError, match=r"^prompt is required$") as error:
+        parse_completion(body(max_tokens=5))
+    assert error.value.param == "prompt"
+    with pytest.raises(GatewayError, match=r"^prompt must be a string"):
+        parse_completion(body(prompt=5))
+    with pytest.raises(GatewayError, match=r"^messages is required$"):
+        parse_chat(body(max_tokens=5))
+    with pytest.raises(GatewayError, match=r"^messages must be a non-empty list$"):
+        parse_chat(body(messages=[]))
+
+
+def test_a_pipeline_refusal_names_the_field_to_blame():
+    event = TokenEvent(
+        request_id="r",
+        index=0,
+        finish_reason=FinishReason.ERROR,
+        error="'max_tokens' is too large: 9.",
+        error_kind=ErrorKind.INVALID_REQUEST,
+        error_param="max_tokens",
+    )
+    error = pipeline_error(event)
+    assert error.status == 400 and error.param == "max_tokens"

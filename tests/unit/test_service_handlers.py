@@ -74,6 +74,21 @@ def test_tokenizer_handler_is_idempotent_and_reports_errors(stories_frontend, st
     assert chat.message.prompt_token_ids == tuple(stories_tokenizer.encode("hi"))  # Parkade's template
 
 
+def test_tokenizer_handler_refuses_what_cannot_fit_with_an_error_event_naming_the_field(stories_frontend):
+    handler = TokenizerHandler(stories_frontend)
+    too_many = SamplingParams(max_tokens=100_000)
+    (refused,) = handler.on_request(GenerateRequest(request_id="m", prompt="Once", sampling_params=too_many))
+    event = refused.message
+    assert event.finish_reason == "error" and event.error_kind == ErrorKind.INVALID_REQUEST  # 400
+    assert event.error.startswith("'max_tokens' is too large: 100000. This model's maximum context length")
+    assert event.error_param == "max_tokens"
+    (empty,) = handler.on_request(GenerateRequest(request_id="e", prompt=""))
+    assert empty.message.error == "The prompt cannot be empty." and empty.message.error_param is None
+    (long,) = handler.on_request(GenerateRequest(request_id="l", prompt="x" * 10_000))
+    assert "has at least 1429 input tokens" in long.message.error
+    assert not handler.streams
+
+
 def test_a_steps_batch_of_events_becomes_one_token_event_each_and_a_redelivery_nothing(
     stories_frontend, stories_tokenizer
 ):
@@ -1044,12 +1059,16 @@ def test_what_a_request_on_the_topics_may_not_ask(stories_frontend, monkeypatch)
     monkeypatch.setattr("parkade.services.tokenizer.frontend.MAX_WIRE_PROMPT_LOGPROB_ENTRIES", 5_000)
     long_prompt = tuple(range(3, 503))  # 500 tokens x (1 + 20) entries: more than one record carries
     big_ask = GenerateRequest(
-        request_id="p", prompt_token_ids=long_prompt, sampling_params=SamplingParams(prompt_logprobs=20)
+        request_id="p",
+        prompt_token_ids=long_prompt,
+        sampling_params=SamplingParams(prompt_logprobs=20, max_tokens=8),
     )
     (big,) = handler.on_request(big_ask)
     assert "prompt_logprobs=20 over a 500-token prompt" in big.message.error
     small_ask = GenerateRequest(
-        request_id="q", prompt_token_ids=long_prompt, sampling_params=SamplingParams(prompt_logprobs=1)
+        request_id="q",
+        prompt_token_ids=long_prompt,
+        sampling_params=SamplingParams(prompt_logprobs=1, max_tokens=8),
     )
     (ok,) = routed(handler.on_request(small_ask))
     assert ok.topic == topics.TOKENIZED

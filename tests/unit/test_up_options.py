@@ -181,3 +181,14 @@ def test_parser_of_up_has_no_option_twice():
     strings = [s for action in parser._actions for s in action.option_strings]
     assert len(strings) == len(set(strings))
     assert isinstance(parser, argparse.ArgumentParser)
+
+
+@pytest.mark.parametrize("name", list(MAINS))
+def test_a_services_help_keeps_its_descriptions_layout(name, monkeypatch):
+    """Each service's --help shows its module docstring as written (lists and tables), not as
+    one run-on paragraph."""
+    text = _service_parser(MAINS[name].main, monkeypatch).format_help()
+    doc = MAINS[name].__doc__
+    indented = [line for line in doc.splitlines() if line.startswith("    ") and line.strip()]
+    assert doc.splitlines()[0] in text
+    assert all(line in text for line in indented), name
