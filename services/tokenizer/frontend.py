@@ -363,9 +363,12 @@ class FrontEnd:
         stream = RequestStream(request_id, requests, prompt, detokenizers)
         return requests[0], stream
 
-    def make_request_from(self, message: GenerateRequest) -> tuple[EngineRequest, RequestStream]:
+    def make_request_from(
+        self, message: GenerateRequest, token_ids: Sequence[int] | None = None
+    ) -> tuple[EngineRequest, RequestStream]:
         """`make_request` for a request from the requests topic, with the checks of what a client
-        may not ask across Kafka (ValueError naming it)."""
+        may not ask across Kafka (ValueError naming it). `token_ids`: its text prompt's, already
+        tokenized (`prompt_token_ids` of it, truncated as it asks)."""
         if message.chat_template is not None and not self.trust_request_chat_template:
             raise ValueError(
                 "chat_template in a request is refused: this tokenizer uses the model's own (start it "
@@ -374,7 +377,7 @@ class FrontEnd:
         request, stream = self.make_request(
             message.request_id,
             prompt=message.prompt,
-            prompt_token_ids=message.prompt_token_ids,
+            prompt_token_ids=message.prompt_token_ids if token_ids is None else token_ids,
             messages=message.messages,
             sampling_params=message.sampling_params,
             priority=message.priority,

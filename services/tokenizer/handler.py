@@ -331,13 +331,36 @@ class TokenizerHandler(ReplicaRouting, Service):
             return [error_event(request_id, error, ErrorKind.INVALID_REQUEST, headers)]
         return None
 
-    def _open(self, message: GenerateRequest, headers: Headers, source: Source | None) -> list[Outgoing]:
-        """Tokenize a request and open its stream; -> its samples for the scheduler, after its
-        events so far when they were read first (after a restart)."""
+    def open_tokenized(
+        self,
+        message: GenerateRequest,
+        headers: Headers,
+        source: Source | None,
+        token_ids: list[int] | BaseException,
+    ) -> list[Outgoing]:
+        """`on_request` for a request whose prompt was tokenized aside (main.py): `token_ids`, or
+        why they could not be had."""
+        refused = self._refused_before_tokenizing(message, headers, source)
+        if refused is not None:
+            return refused
+        return self._open(message, headers, source, token_ids)
+
+    def _open(
+        self,
+        message: GenerateRequest,
+        headers: Headers,
+        source: Source | None,
+        token_ids: list[int] | BaseException | None = None,
+    ) -> list[Outgoing]:
+        """Tokenize a request (unless `token_ids` has its prompt's) and open its stream; -> its
+        samples for the scheduler, after its events so far when they were read first (after a
+        restart)."""
         request_id = message.request_id
         span = tracing.start_span("tokenize", headers, attributes={"parkade.request_id": request_id})
         try:
-            request, stream = self.frontend.make_request_from(message)
+            if isinstance(token_ids, BaseException):
+                raise token_ids  # tokenizing it aside failed: refused as here
+            request, stream = self.frontend.make_request_from(message, token_ids)
         except Exception as error:  # a bad prompt or chat template fails this request only
             span.set_status(tracing.trace.Status(tracing.trace.StatusCode.ERROR, str(error)))
             span.end()

@@ -1,8 +1,20 @@
-"""The tokenizer service: `parkade tokenizer [--model DIR]`. Its only I/O edge."""
+"""The tokenizer service: `parkade tokenizer [--model DIR]`. Its only I/O edge.
+
+Large prompts are tokenized aside: a text prompt of over `ASIDE_PROMPT_CHARS` characters goes to
+a worker thread (the tokenizers library lets go of the GIL while it encodes: 0.7 s a megabyte
+here), and the records behind it are served meanwhile; once its ids are there (`after_batch`),
+the request opens as any other. Until then it holds the requests topic's commit at its record
+(`low_watermarks`): a crash reads it again. The records about it that come meanwhile (an abort,
+the same id again) wait for it and follow it in order.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from parkade.schemas import AbortRequest, ErrorKind, GenerateRequest, topics
@@ -22,6 +34,23 @@ from parkade.services.tokenizer.router import (
 )
 
 log = logging.getLogger(__name__)
+
+# A text prompt longer than this is tokenized on the worker thread (see the module): a few ms
+# inline at most. Beyond `MAX_ASIDE` prompts aside, the next waits for the oldest (a bound on the
+# prompts held in memory).
+ASIDE_PROMPT_CHARS = 16_384
+MAX_ASIDE = 32
+
+
+@dataclass
+class _Aside:
+    """A request whose prompt a worker thread tokenizes."""
+
+    message: GenerateRequest
+    record: Record
+    token_ids: asyncio.Future[list[int]]
+    behind: list[tuple[Any, Record]] = field(default_factory=list)  # its records that came since
+
 
 # The router's settings (router.py), beside the front end's options.
 ROUTER_FLAGS = [
@@ -71,10 +100,76 @@ class TokenizerService(TokenizerHandler):
         super().__init__(frontend, **kwargs)
         self.bus: Bus | None = None  # the one `serve` runs it on
         self.replies_ready: set[str] = set()  # reply topics known to exist
+        self.aside: dict[str, _Aside] = {}  # by request id, in arrival order
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parkade-tokenize")
 
     async def start(self, bus: Bus, prefix: str) -> None:
         self.bus = bus
         await send_all(bus, [self.announcement()], prefix)
+
+    async def stop(self) -> None:
+        # What is aside is read again after a restart (its commit was held).
+        self._worker.shutdown(wait=False, cancel_futures=True)
+        await super().stop()
+
+    def busy(self) -> bool:
+        return super().busy() or bool(self.aside)  # (short fetch waits: `after_batch` comes soon)
+
+    def after_batch(self) -> list[Outgoing]:
+        out: list[Outgoing] = []
+        for request_id, aside in list(self.aside.items()):
+            if aside.token_ids.done():
+                del self.aside[request_id]
+                out += self._open_aside(aside)
+        return out + super().after_batch()
+
+    def low_watermarks(self) -> dict[str, int]:
+        out = super().low_watermarks()
+        if self.aside:  # (the records behind one come after it)
+            oldest = min(a.record.offset for a in self.aside.values())
+            out[topics.REQUESTS] = min(out.get(topics.REQUESTS, oldest), oldest)
+        return out
+
+    def _goes_aside(self, message: GenerateRequest) -> bool:
+        # NOTE: not while reading a predecessor's log again: its requests must be known by the
+        # time its own announcement is read (see handler.py), so those are tokenized inline.
+        return (
+            message.prompt is not None
+            and message.prompt_token_ids is None
+            and message.messages is None
+            and len(message.prompt) > ASIDE_PROMPT_CHARS
+            and self.caught_up_at is not None
+            and self.frontend.tokenizer is not None
+            and self.mine(message.request_id)
+        )
+
+    async def _put_aside(self, message: GenerateRequest, record: Record) -> list[Outgoing]:
+        source = (record.topic, record.partition, record.offset)
+        refused = self._refused_before_tokenizing(message, record.headers, source)
+        if refused is not None:
+            return refused
+        if len(self.aside) >= MAX_ASIDE:
+            pending = [a.token_ids for a in self.aside.values()]
+            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        truncate = message.sampling_params.truncate_prompt_tokens
+        tokenize = functools.partial(self.frontend.prompt_token_ids, message.prompt, truncate=truncate)
+        future = asyncio.get_running_loop().run_in_executor(self._worker, tokenize)
+        self.aside[message.request_id] = _Aside(message, record, future)
+        return []
+
+    def _open_aside(self, aside: _Aside) -> list[Outgoing]:
+        """Its stream (or its error event), then the records that waited behind it."""
+        record = aside.record
+        error = aside.token_ids.exception()
+        out = self.open_tokenized(
+            aside.message,
+            record.headers,
+            (record.topic, record.partition, record.offset),
+            error if error is not None else aside.token_ids.result(),
+        )
+        for message, behind in aside.behind:
+            out += super().on_record(message, behind)
+        return out
 
     async def on_record(self, message: Any, record: Record) -> list[Outgoing]:
         headers = record.headers
@@ -96,6 +191,13 @@ class TokenizerService(TokenizerHandler):
             if len(self.replies_ready) > 100_000:
                 self.replies_ready.clear()
             self.replies_ready.add(reply)
+        if isinstance(message, GenerateRequest | AbortRequest) and message.request_id in self.aside:
+            aside = self.aside[message.request_id]
+            if aside.record.offset != record.offset or aside.record.topic != record.topic:
+                aside.behind.append((message, record))  # (else: the same record, redelivered)
+            return []
+        if isinstance(message, GenerateRequest) and self._goes_aside(message):
+            return await self._put_aside(message, record)
         return super().on_record(message, record)
 
 

@@ -67,3 +67,53 @@ def test_a_small_request_after_a_flood_of_megabyte_prompts_is_answered_at_once()
             "This model's maximum context length is 512 tokens. However, your request has at least "
             f"{-(-len(BIG) // 7)} input tokens. Please reduce the length of the input messages."
         )
+
+
+def test_prompts_that_take_long_to_tokenize_go_aside_and_the_small_ones_are_served_meanwhile():
+    """Without the bound by length (a tokenizer where none can be proven, or prompts that may
+    fit), big prompts are tokenized on the worker thread: a small request sent after them is
+    answered while they are, each of them is answered in the end (the exact count), a big
+    prompt that fits (truncated) runs as it would inline, and one aborted while aside ends as
+    aborted."""
+    prefix, count = "aside.", 8  # inline, 0.7 s each: the small one would wait 5.6 s
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    async def main():
+        bus = MemoryBus()
+        async with (
+            running_pipeline(bus, STORIES, prefix=prefix) as pipeline,
+            Client(bus=bus, topic_prefix=prefix) as client,
+        ):
+            tokenizer = pipeline.tokenizer
+            tokenizer.frontend.token_bound = None
+            floods = [
+                await client.submit(request_id=f"big-{i}", prompt=f"{i} " + BIG, sampling_params=params)
+                for i in range(count)
+            ]
+            start = time.monotonic()
+            small = [e async for e in client.generate(prompt="Once upon a time", sampling_params=params)]
+            small_s = time.monotonic() - start
+            aside_when_small_ended = len(tokenizer.aside)
+            flood = {rid: [e async for e in client.stream(rid)] for rid in floods}
+            # A big prompt that fits once truncated to its last 8 tokens, against the same 8 ids.
+            truncated = SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=8)
+            ids = tokenizer.frontend.tokenizer.encode(BIG)[-8:]
+            big = [e async for e in client.generate(prompt=BIG, sampling_params=truncated)]
+            inline = [e async for e in client.generate(prompt_token_ids=ids, sampling_params=params)]
+            # Aborted while aside: the abort waits for it, then ends it.
+            aborted = await client.submit(request_id="aborted", prompt=BIG, sampling_params=truncated)
+            await client.cancel(aborted)
+            abort_events = [e async for e in client.stream(aborted)]
+            return small_s, small, aside_when_small_ended, flood, big, inline, abort_events, tokenizer
+
+    small_s, small, aside_then, flood, big, inline, aborted, tokenizer = asyncio.run(main())
+    assert small[-1].finish_reason == "length" and small_s < ANSWER_WITHIN_S, small_s
+    assert aside_then > 0, "the big prompts were not still being tokenized when the small one ended"
+    for i, (request_id, events) in enumerate(flood.items()):
+        assert len(events) == 1 and events[0].error_kind == "invalid_request", request_id
+        tokens = len(tokenizer.frontend.tokenizer.encode(f"{i} " + BIG))
+        assert f"your request has {tokens} input tokens" in events[0].error
+    assert [t for e in big for t in e.token_ids] == [t for e in inline for t in e.token_ids]
+    assert big[-1].usage.prompt_tokens == 8
+    assert aborted[-1].finish_reason == "abort", aborted
+    assert not tokenizer.aside and not tokenizer.low_watermarks().get(topics.REQUESTS)
