@@ -77,13 +77,8 @@ def prompt_token_ids(
     `bound` proves too long is refused untokenized (unless `truncate` cuts it), and a prompt of
     more than `max_model_len` tokens gets the rule's ContextLengthError. ValueError otherwise,
     as `prompts.prompt_token_ids`."""
-    text_only = prompt_token_ids is None and messages is None
-    if text_only and prompt == "":
-        raise ValueError(EMPTY_PROMPT)
-    if text_only and prompt is not None and bound is not None and truncate is None:
-        at_least = bound.min_tokens(prompt)
-        if max_model_len is not None and at_least > max_model_len:
-            check_context_length(at_least, None, max_model_len, at_least=True)
+    if prompt_token_ids is None and messages is None and prompt is not None:
+        refuse_by_length(prompt, bound, max_model_len, truncate)
     token_ids = prompts.prompt_token_ids(
         tokenizer,
         vocab_size=vocab_size,
@@ -95,6 +90,19 @@ def prompt_token_ids(
     )
     check_context_length(len(token_ids), None, max_model_len)
     return token_ids
+
+
+def refuse_by_length(
+    prompt: str, bound: TokenLowerBound | None, max_model_len: int | None, truncate: int | None = None
+) -> None:
+    """ValueError for an empty text prompt, ContextLengthError for one that `bound` proves too
+    long (not when `truncate` cuts it): both without tokenizing it."""
+    if prompt == "":
+        raise ValueError(EMPTY_PROMPT)
+    if bound is not None and truncate is None and max_model_len is not None:
+        at_least = bound.min_tokens(prompt)
+        if at_least > max_model_len:
+            check_context_length(at_least, None, max_model_len, at_least=True)
 
 
 # Normalizers that never make a text shorter (in characters); Replace only when its content is

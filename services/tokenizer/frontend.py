@@ -417,6 +417,11 @@ class FrontEnd:
             truncate=truncate,
         )
 
+    def refuse_by_length(self, prompt: str, truncate: int | None = None) -> None:
+        """What `prompt_token_ids` refuses of a text prompt before tokenizing it (see
+        `context.refuse_by_length`)."""
+        context.refuse_by_length(prompt, self.token_bound, self.max_model_len, truncate)
+
     def _arrival_time(self) -> float:
         """Wall-clock seconds, strictly increasing per front end, so that the priority policy's
         tie-break (arrival) follows the order requests reached the front end even within one

@@ -337,13 +337,21 @@ class TokenizerHandler(ReplicaRouting, Service):
         headers: Headers,
         source: Source | None,
         token_ids: list[int] | BaseException,
+        *,
+        generated_start: int | None = None,
     ) -> list[Outgoing]:
         """`on_request` for a request whose prompt was tokenized aside (main.py): `token_ids`, or
-        why they could not be had."""
+        why they could not be had; `generated_start`: the generated topic's position when its
+        record was read (its stream holds the commit from there)."""
         refused = self._refused_before_tokenizing(message, headers, source)
         if refused is not None:
             return refused
-        return self._open(message, headers, source, token_ids)
+        out = self._open(message, headers, source, token_ids)
+        open_ = self.streams.get(message.request_id)
+        if open_ is not None and generated_start is not None:
+            starts = [x for x in (open_.generated_start, generated_start) if x is not None]
+            open_.generated_start = min(starts)
+        return out
 
     def _open(
         self,

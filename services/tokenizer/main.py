@@ -49,6 +49,10 @@ class _Aside:
     message: GenerateRequest
     record: Record
     token_ids: asyncio.Future[list[int]]
+    # The generated topic's position when its record was read (None: below the next record read),
+    # held as an open stream's is: the events of a request that comes and ends while this one is
+    # aside must be read again after a restart, as this one's record is (found by review).
+    generated_start: int | None
     behind: list[tuple[Any, Record]] = field(default_factory=list)  # its records that came since
 
 
@@ -128,6 +132,9 @@ class TokenizerService(TokenizerHandler):
         if self.aside:  # (the records behind one come after it)
             oldest = min(a.record.offset for a in self.aside.values())
             out[topics.REQUESTS] = min(out.get(topics.REQUESTS, oldest), oldest)
+        starts = [a.generated_start for a in self.aside.values() if a.generated_start is not None]
+        if starts:
+            out[topics.GENERATED] = min(out.get(topics.GENERATED, min(starts)), min(starts))
         return out
 
     def _goes_aside(self, message: GenerateRequest) -> bool:
@@ -148,13 +155,20 @@ class TokenizerService(TokenizerHandler):
         refused = self._refused_before_tokenizing(message, record.headers, source)
         if refused is not None:
             return refused
-        if len(self.aside) >= MAX_ASIDE:
-            pending = [a.token_ids for a in self.aside.values()]
-            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        # A prompt too long by its length alone is refused here, at the cost of a len().
         truncate = message.sampling_params.truncate_prompt_tokens
+        try:
+            self.frontend.refuse_by_length(message.prompt, truncate)
+        except ValueError as error:
+            return self.open_tokenized(message, record.headers, source, error)
+        # NOTE: the ones not tokenized yet count: finished ones wait for `after_batch` to leave.
+        while (
+            len(working := [a.token_ids for a in self.aside.values() if not a.token_ids.done()]) >= MAX_ASIDE
+        ):
+            await asyncio.wait(working, return_when=asyncio.FIRST_COMPLETED)
         tokenize = functools.partial(self.frontend.prompt_token_ids, message.prompt, truncate=truncate)
         future = asyncio.get_running_loop().run_in_executor(self._worker, tokenize)
-        self.aside[message.request_id] = _Aside(message, record, future)
+        self.aside[message.request_id] = _Aside(message, record, future, self.generated_position)
         return []
 
     def _open_aside(self, aside: _Aside) -> list[Outgoing]:
@@ -166,6 +180,7 @@ class TokenizerService(TokenizerHandler):
             record.headers,
             (record.topic, record.partition, record.offset),
             error if error is not None else aside.token_ids.result(),
+            generated_start=aside.generated_start,
         )
         for message, behind in aside.behind:
             out += super().on_record(message, behind)
@@ -191,6 +206,10 @@ class TokenizerService(TokenizerHandler):
             if len(self.replies_ready) > 100_000:
                 self.replies_ready.clear()
             self.replies_ready.add(reply)
+        if self.aside and self.generated_position is None and record.topic.endswith(topics.GENERATED):
+            for aside in self.aside.values():  # as the handler does for open streams
+                if aside.generated_start is None:
+                    aside.generated_start = record.offset
         if isinstance(message, GenerateRequest | AbortRequest) and message.request_id in self.aside:
             aside = self.aside[message.request_id]
             if aside.record.offset != record.offset or aside.record.topic != record.topic:

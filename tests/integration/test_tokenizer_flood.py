@@ -91,9 +91,23 @@ def test_prompts_that_take_long_to_tokenize_go_aside_and_the_small_ones_are_serv
                 for i in range(count)
             ]
             start = time.monotonic()
-            small = [e async for e in client.generate(prompt="Once upon a time", sampling_params=params)]
+            small_id = await client.submit(prompt="Once upon a time", sampling_params=params)
+            small = [e async for e in client.stream(small_id)]
             small_s = time.monotonic() - start
             aside_when_small_ended = len(tokenizer.aside)
+            # A restart now must read the small request's events again, as the big ones' records:
+            # the commit on the generated topic stays below them (it ended while they were aside).
+            generated = bus.topics[topics.topic_name(topics.GENERATED, prefix)]
+            decoder = topics.TopicDecoder(topics.GENERATED)
+            first_event = min(
+                r.offset
+                for r in generated
+                if any(e.request_id == small_id for e in getattr(decoder.decode(r.value), "events", ()))
+            )
+            held = tokenizer.low_watermarks()
+            assert held[topics.GENERATED] <= first_event, (held, first_event)
+            requests = bus.topics[topics.topic_name(topics.REQUESTS, prefix)]
+            assert held[topics.REQUESTS] <= min(r.offset for r in requests if r.key == b"big-0")
             flood = {rid: [e async for e in client.stream(rid)] for rid in floods}
             # A big prompt that fits once truncated to its last 8 tokens, against the same 8 ids.
             truncated = SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=8)
