@@ -275,6 +275,9 @@ def _topics(args: argparse.Namespace) -> int:
     except TopicLayoutError as error:
         print(f"parkade topics: {error}", file=sys.stderr)
         return 2
+    except TimeoutError:
+        print(f"parkade topics: the broker at {bootstrap} did not answer in time; try again", file=sys.stderr)
+        return 1
     print("\n".join([*names, *replies]))
     if args.reap:
         print(

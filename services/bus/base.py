@@ -32,12 +32,15 @@ class Record:
 
 @dataclass(frozen=True, slots=True)
 class OutgoingRecord:
-    """An encoded record to send; `topic` is the full (prefixed) topic name."""
+    """An encoded record to send; `topic` is the full (prefixed) topic name. `reply`: a client's
+    reply topic, which may be gone (its client deleted it, or the reaper did): a send that finds
+    no such topic is refused (`RecordRejected`) rather than failing the service."""
 
     topic: str
     value: bytes
     key: bytes | None = None
     headers: Headers = ()
+    reply: bool = False
 
 
 class RecordRejected(Exception):

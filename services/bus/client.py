@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 # Seconds without a record after which the client asks the broker whether it is still there.
 PROBE_S = 2.0
+# After an abort, the seconds in which its last event may still come (see `stop`).
+LATE_EVENTS_S = 5.0
 # Seconds without an event of an open request after which its stream ends (and the request is
 # cancelled): longer than the scheduler takes to declare an executor lost (15 s), to give up
 # waiting for one (60 s) and to void a step without an answer (60 s). A request that waits longer
@@ -95,6 +97,7 @@ class RequestClient:
         self.reap_grace_s = reap_grace_s
         self._created = False  # whether this client created its reply topic (and must delete it)
         self._stopping = asyncio.Event()
+        self._last_cancel: float | None = None  # (loop time) see `stop`
         self._chores: list[asyncio.Task[None]] = []  # the heartbeat, the reaper
 
     async def start(self) -> None:
@@ -173,13 +176,26 @@ class RequestClient:
             stream.queue.put_nowait(event)
 
     async def stop(self) -> None:
-        """Close, and delete the reply topic; never raises, and ends within 2 PROBE_S where
-        the broker is gone already (the reaper deletes the topic then)."""
+        """Close, and delete the reply topic (unless streams are open: they are aborted, and the
+        reaper deletes it); never raises, and ends within 3 PROBE_S where the broker is gone
+        already (the reaper deletes the topic then)."""
         # NOTE: the order: the heartbeat ends before the topic is deleted (a commit for a
         # missing topic creates it again on Tansu), and so does the reader (its consumer too).
         # The heartbeat is let finish rather than cancelled between its send and its answer.
         # NOTE: the flag as well as the cancel: on Python 3.11, a cancel that lands as
         # asyncio.wait_for's inner wait completes is swallowed, and the loop would go on.
+        # Streams still open (or aborted a moment ago) get events after this: aborted, and the
+        # topic is left to the reaper, whose grace outlasts them. Deleted now, a late event would
+        # create it again (Tansu, Kafka's auto-create) or wait on a missing topic (without).
+        unsettled = list(self._streams)
+        loop = asyncio.get_running_loop()
+        recent = self._last_cancel is not None and loop.time() - self._last_cancel < LATE_EVENTS_S
+        if unsettled and self._reader is not None and not self._reader.done():
+            aborts = [Outgoing(topics.REQUESTS, AbortRequest(request_id=i), i) for i in unsettled]
+            try:
+                await asyncio.wait_for(send_all(self.bus, aborts, self.prefix), PROBE_S)
+            except Exception as error:
+                log.debug("could not abort the open requests: %s", error)
         self._stopping.set()
         self._closing = True
         tasks = set(self._chores)
@@ -193,7 +209,12 @@ class RequestClient:
             task.cancel()
         if self._reader is not None and self._reader.done() and not self._reader.cancelled():
             self._reader.exception()  # retrieved: it was reported to the streams
-        if self._created and self.reply_topic is not None and not pending:
+        if self._created and (unsettled or recent):
+            log.info(
+                "reply topic %s left to the reaper: %d streams were still open",
+                self.reply_topic, len(unsettled), extra={"topic": self.reply_topic},
+            )  # fmt: skip
+        elif self._created and self.reply_topic is not None and not pending:
             try:  # bounded as `cancel`; if it fails, the reaper deletes the topic later
                 await asyncio.wait_for(self.bus.delete_topics([self.reply_topic]), PROBE_S)
                 self._created = False
@@ -340,6 +361,7 @@ class RequestClient:
     async def cancel(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort". Never raises: on the
         way out, a broker that is gone has nothing to abort."""
+        self._last_cancel = asyncio.get_running_loop().time()
         try:
             abort = Outgoing(topics.REQUESTS, AbortRequest(request_id=request_id), request_id)
             # Bounded: a producer retries a lost broker for its whole request timeout (40 s).

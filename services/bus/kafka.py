@@ -26,6 +26,7 @@ from aiokafka.errors import (
     IllegalStateError,
     KafkaConnectionError,
     KafkaError,
+    KafkaTimeoutError,
     MessageSizeTooLargeError,
     RecordListTooLargeError,
     RecordTooLargeError,
@@ -69,10 +70,22 @@ async def _completed(value: object) -> object:
     return value
 
 
-async def _outcomes(acks: list[Awaitable[object]], topics: list[str]) -> list[Outcome]:
+# What a send to a client's reply topic meets once the topic is gone, on a broker that does not
+# create topics on their first record (Kafka with auto.create.topics.enable=false: MSK's default):
+# no metadata for it until the send's timeout, or the broker's answer that it has no such topic.
+_GONE_ERRORS = (KafkaTimeoutError, UnknownTopicOrPartitionError, TimeoutError)
+REPLY_METADATA_S = 5.0  # the longest wait for a reply topic's metadata
+GONE_FOR_S = 60.0  # a reply topic found gone is refused at once for this long
+
+
+async def _outcomes(acks: list[Awaitable[object]], records: list[OutgoingRecord]) -> list[Outcome]:
     outcomes: list[Outcome] = []
-    for result, topic in zip(await asyncio.gather(*acks, return_exceptions=True), topics, strict=True):
-        if isinstance(result, _RECORD_ERRORS):
+    results = await asyncio.gather(*acks, return_exceptions=True)
+    for result, record in zip(results, records, strict=True):
+        topic = record.topic
+        if isinstance(result, RecordRejected):
+            outcomes.append(result)
+        elif isinstance(result, _RECORD_ERRORS) or (record.reply and isinstance(result, _GONE_ERRORS)):
             outcomes.append(RecordRejected(f"{type(result).__name__}: {result}"))
         elif isinstance(result, BaseException):
             result.add_note(f"sending a record to {topic}")
@@ -137,6 +150,7 @@ class KafkaBus:
         self.client_id = client_id
         self.idempotence = idempotence
         self._producer: AIOKafkaProducer | None = None
+        self._gone: dict[str, float] = {}  # reply topics found gone -> until when (loop time)
         self._producer_lock = asyncio.Lock()
         self._progress: dict[tuple[str, str], AIOKafkaConsumer] = {}
 
@@ -213,12 +227,28 @@ class KafkaBus:
         # The producer keeps the order within a partition.
         producer = await self._started_producer()
         acks: list[Awaitable[object]] = []
+        now = asyncio.get_running_loop().time()
         for r in records:
+            if r.reply and self._gone.get(r.topic, 0.0) > now:
+                acks.append(_completed(RecordRejected(f"the reply topic {r.topic} is gone")))
+                continue
             try:
-                acks.append(await producer.send(r.topic, r.value, key=r.key, headers=list(r.headers)))
+                send = producer.send(r.topic, r.value, key=r.key, headers=list(r.headers))
+                # A reply topic may be gone: its metadata is not waited for as long as a send's.
+                acks.append(await (asyncio.wait_for(send, REPLY_METADATA_S) if r.reply else send))
             except _RECORD_ERRORS as error:  # the producer's own size check
                 acks.append(_completed(error))
-        return _outcomes(acks, [r.topic for r in records])
+            except _GONE_ERRORS as error:
+                if not r.reply:
+                    raise
+                self._gone_now(r.topic, now)
+                acks.append(_completed(RecordRejected(f"the reply topic {r.topic} is gone: {error!r}")))
+        return _outcomes(acks, records)
+
+    def _gone_now(self, topic: str, now: float) -> None:
+        if len(self._gone) > 10_000:  # bounded: the expired go first
+            self._gone = {t: until for t, until in self._gone.items() if until > now}
+        self._gone[topic] = now + GONE_FOR_S
 
     async def create_topics(self, topics: list[str], *, single_partition: bool = True) -> None:
         """Create missing topics with one partition each, and (`single_partition`) refuse existing

@@ -24,6 +24,7 @@ the grace less one heartbeat.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
@@ -33,6 +34,10 @@ from parkade.services.bus.base import Bus
 
 HEARTBEAT_S = 30.0
 REAP_GRACE_S = 300.0
+# NOTE: the longest any admin call here may take. A commit for a topic deleted meanwhile (another
+# client stopping, another reaper) is retried by aiokafka without end on Apache Kafka, which
+# answers it with a retriable "unknown topic": found by review.
+ADMIN_TIMEOUT_S = 10.0
 _REPLY_GROUP = "reply-topics"
 
 
@@ -57,7 +62,8 @@ def now_ms() -> int:
 async def heartbeat(bus: Bus, prefix: str, reply_topic: str, at_ms: int | None = None) -> None:
     """Say that the client of `reply_topic` lives (at `at_ms`, default now).
     NOTE: never after the topic was deleted: on Tansu the commit would create it again."""
-    await bus.save_progress_many(heartbeat_group(prefix), {reply_topic: now_ms() if at_ms is None else at_ms})
+    beat = {reply_topic: now_ms() if at_ms is None else at_ms}
+    await asyncio.wait_for(bus.save_progress_many(heartbeat_group(prefix), beat), ADMIN_TIMEOUT_S)
 
 
 async def reap(
@@ -69,14 +75,20 @@ async def reap(
     at_ms: int | None = None,
 ) -> list[str]:
     """Delete the reply topics (of `prefix`, but not those in `keep`) whose heartbeat is older
-    than `grace_s` at `at_ms` (default now); start the grace of those without one. -> the deleted."""
-    names = [t for t in await bus.list_topics() if is_reply_topic(t, prefix) and t not in keep]
+    than `grace_s` at `at_ms` (default now); start the grace of those without one. -> the deleted.
+    TimeoutError where the broker does not answer within ADMIN_TIMEOUT_S a call."""
+    listed = await asyncio.wait_for(bus.list_topics(), ADMIN_TIMEOUT_S)
+    names = [t for t in listed if is_reply_topic(t, prefix) and t not in keep]
     if not names:
         return []
     at_ms = now_ms() if at_ms is None else at_ms
     group = heartbeat_group(prefix)
-    beats = await bus.load_progress_many(group, names)
-    await bus.save_progress_many(group, {t: at_ms for t in names if t not in beats})
+    beats = await asyncio.wait_for(bus.load_progress_many(group, names), ADMIN_TIMEOUT_S)
     stale = sorted(t for t, beat in beats.items() if at_ms - beat > grace_s * 1000)
-    await bus.delete_topics(stale)
+    await asyncio.wait_for(bus.delete_topics(stale), ADMIN_TIMEOUT_S)
+    # Last: a topic deleted since it was listed makes this commit hang (bounded), the deletions
+    # are done by then.
+    unbeaten = {t: at_ms for t in names if t not in beats}
+    if unbeaten:
+        await asyncio.wait_for(bus.save_progress_many(group, unbeaten), ADMIN_TIMEOUT_S)
     return stale

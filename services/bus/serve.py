@@ -108,7 +108,7 @@ async def queue_all(bus: Bus, outgoing: list[Outgoing], prefix: str) -> Awaitabl
         key = out.key.encode() if out.key is not None else None
         headers = out.headers if isinstance(out.message, bytes) else (*out.headers, SCHEMA_HEADER)
         name = out.to or topics.topic_name(out.topic, prefix)
-        records.append(OutgoingRecord(name, value, key, headers))
+        records.append(OutgoingRecord(name, value, key, headers, reply=out.to is not None))
     return await bus.queue_many(records)
 
 

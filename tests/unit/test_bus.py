@@ -154,3 +154,33 @@ def test_a_second_instance_of_a_service_is_refused_and_a_dead_one_is_not_in_the_
             pass
 
     asyncio.run(main())
+
+
+def test_a_send_to_a_reply_topic_that_is_gone_is_refused_not_fatal(monkeypatch):
+    """On a Kafka that does not create topics on their first record, a late event for a client
+    whose reply topic is gone waits on metadata until the send's timeout: refused (the handler
+    ends that stream), never the service's end; and refused at once for a while after."""
+    from aiokafka.errors import KafkaTimeoutError
+
+    from parkade.services.bus import kafka
+    from parkade.services.bus.base import OutgoingRecord, RecordRejected
+
+    sends: list[str] = []
+
+    class NoSuchTopicProducer:
+        async def send(self, topic, value, key=None, headers=None):
+            sends.append(topic)
+            raise KafkaTimeoutError("no metadata")
+
+    async def main():
+        bus = kafka.KafkaBus("127.0.0.1:1")
+        bus._producer = NoSuchTopicProducer()
+        reply = OutgoingRecord("p.tokens.0123456789ab", b"v", reply=True)
+        first = await (await bus.queue_many([reply]))
+        again = await (await bus.queue_many([reply]))
+        assert isinstance(first[0], RecordRejected) and isinstance(again[0], RecordRejected)
+        assert sends == ["p.tokens.0123456789ab"]  # the second: refused without a wait
+        with pytest.raises(KafkaTimeoutError):  # a topic of the pipeline's own: the broker is away
+            await bus.queue_many([OutgoingRecord("p.tokens", b"v")])
+
+    asyncio.run(main())
