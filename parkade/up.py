@@ -45,7 +45,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parkade.home import parkade_home, read_state, remove_state, write_state
+from parkade.home import parkade_home, read_state, remove_state, state_path, write_state
 from parkade.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from parkade.schemas.topics import DEFAULT_PREFIX
 from parkade.services import SERVICES
@@ -146,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     local.add_argument(
         "--metrics-port",
         type=int,
-        default=int(os.environ.get("PARKADE_METRICS_PORT") or 0),
+        default=_env_port("PARKADE_METRICS_PORT"),
         help="each service serves Prometheus metrics at its own port: P, P+1, ... in the order the banner "
         "lists them (tokenizers, schedulers, executors, gateway); 0: a free port each (default: "
         "$PARKADE_METRICS_PORT, else 0). The URLs are in the banner and up.json",
@@ -190,6 +190,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _env_port(name: str) -> int:
+    """A port from the environment; 0 where unset or not a number (`check` says so then)."""
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isdigit() else 0
+
+
 def service_argv(name: str, args: argparse.Namespace) -> list[str]:
     """The flags of service `name` for the settings `parkade up` was given."""
     flags = [f for f in SERVICE_FLAGS[name] if f.name not in UP_SETS]
@@ -226,9 +232,16 @@ def check(args: argparse.Namespace) -> str | None:
             f"port {args.port} on 127.0.0.1 is in use (another broker, or another program): pass another "
             "--port, or leave --port out to take a free one"
         )
+    env_port = os.environ.get("PARKADE_METRICS_PORT", "").strip()
+    if env_port and not env_port.isdigit():
+        return f"PARKADE_METRICS_PORT={env_port!r} is not a port number"
     if args.metrics_port:
         count = args.tokenizers + 2 * args.replicas + 1  # each process's port, in the banner's order
-        taken = [p for p in range(args.metrics_port, args.metrics_port + count) if _port_in_use(p)]
+        ports = range(args.metrics_port, args.metrics_port + count)
+        for name, port in (("--port", args.port), ("--http-port", args.http_port)):
+            if port in ports:
+                return f"--metrics-port {args.metrics_port} takes {count} ports, {name} {port} among them"
+        taken = [p for p in ports if _port_in_use(p)]
         if taken:
             return (
                 f"metrics port {taken[0]} is in use (--metrics-port {args.metrics_port} takes {count} ports "
@@ -426,12 +439,17 @@ async def _first(*works: Awaitable[bool]) -> bool:
 async def _watch_broker_memory(broker: Child, warn_mb: float, state: dict) -> bool:
     """Keep the embedded broker's resident memory in up.json (`broker_memory_mb`) and warn, with
     what to do, when it passes `warn_mb` and again at each doubling. Never returns."""
-    threshold = warn_mb
+    threshold, unwritable = warn_mb, False
     while True:
         rss = resident_mb(broker.proc.pid)
         if rss is not None:
             state["broker_memory_mb"] = round(rss)
-            write_state(state)
+            try:
+                write_state(state)
+            except OSError as error:  # (a full disk): the stack serves on, the warning still comes
+                if not unwritable:
+                    print(f"parkade up: cannot update {state_path()}: {error}", file=sys.stderr, flush=True)
+                unwritable = True
             if rss >= threshold:
                 while rss >= threshold:
                     threshold *= 2
@@ -462,7 +480,7 @@ def new_log_dir(root: Path, keep: int) -> Path:
     """This run's log folder, `root/<YYYYmmdd-HHMMSS>` (a suffix if that exists), with
     `root/latest` linked to it; the oldest run folders beyond the newest `keep` are removed."""
     root.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stamp = time.strftime("%Y%m%d-%H%M%S")  # local time: what the user reads
     for n in itertools.count():
         run = root / (stamp if n == 0 else f"{stamp}.{n}")
         try:
@@ -475,9 +493,11 @@ def new_log_dir(root: Path, keep: int) -> Path:
         link.unlink()
     link.symlink_to(run.name)
     os.replace(link, root / LATEST_LOGS)  # atomic: `logs/latest` is always a whole run's folder
-    # NOTE: run folders only (the stamp's shape); names sort as their times do.
-    runs = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and _RUN_NAME.match(p.name))
-    for old in runs[: max(len(runs) - max(keep, 1), 0)]:
+    # NOTE: run folders only (the stamp's shape), oldest first by when they were made (a clock set
+    # back, or a DST change, would misorder their names); never this run's.
+    runs = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and _RUN_NAME.match(p.name)]
+    runs = sorted((p for p in runs if p != run), key=lambda p: (p.stat().st_mtime, p.name))
+    for old in runs[: max(len(runs) - max(keep - 1, 0), 0)]:
         shutil.rmtree(old, ignore_errors=True)
     return run
 

@@ -192,3 +192,22 @@ def test_a_services_help_keeps_its_descriptions_layout(name, monkeypatch):
     indented = [line for line in doc.splitlines() if line.startswith("    ") and line.strip()]
     assert doc.splitlines()[0] in text
     assert all(line in text for line in indented), name
+
+
+def test_a_clock_set_back_never_removes_this_runs_logs(tmp_path, monkeypatch):
+    root = tmp_path / "logs"
+    stamps = iter(["20261204-120000", "20261204-120001", "20261204-110000"])  # then an hour back
+    monkeypatch.setattr(up.time, "strftime", lambda _fmt: next(stamps))
+    runs = [up.new_log_dir(root, keep=2) for _ in range(3)]
+    assert runs[-1].exists() and (root / "latest").resolve() == runs[-1].resolve()
+    kept = sorted(p.name for p in root.iterdir() if p.name != "latest")
+    assert kept == ["20261204-110000", "20261204-120001"]
+
+
+def test_metrics_ports_that_cannot_work_are_refused_before_anything_starts(monkeypatch):
+    parse = build_parser().parse_args
+    problem = up.check(parse(["up", "--metrics-port", "9100", "--http-port", "9102"]))
+    assert problem == "--metrics-port 9100 takes 4 ports, --http-port 9102 among them"
+    monkeypatch.setenv("PARKADE_METRICS_PORT", "nine")
+    args = parse(["up"])  # (the parser still builds: every command works)
+    assert up.check(args) == "PARKADE_METRICS_PORT='nine' is not a port number"
