@@ -131,3 +131,14 @@ def test_prompts_that_take_long_to_tokenize_go_aside_and_the_small_ones_are_serv
     assert big[-1].usage.prompt_tokens == 8
     assert aborted[-1].finish_reason == "abort", aborted
     assert not tokenizer.aside and not tokenizer.low_watermarks().get(topics.REQUESTS)
+
+
+def test_the_flood_benchmark_measures_each_mode():
+    """loadtest/tokenizer_flood.py, small: every flood record answered, the small one too."""
+    from loadtest_scripts import load_script
+
+    bench = load_script("tokenizer_flood")
+    for mode in bench.MODES:
+        result = asyncio.run(bench.one_mode(mode, flood=2, chars=40_000))
+        assert result["flood_refused"] == 2 and result["small_request_tokens"] == 4, (mode, result)
+    assert bench.tokenizer_main.ASIDE_PROMPT_CHARS == 16_384  # what "inline" changed, put back

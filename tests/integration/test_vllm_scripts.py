@@ -265,8 +265,12 @@ def test_generate_waits_for_room_and_an_interrupted_call_leaves_nothing_behind()
 def test_truncation_to_the_engines_max_model_len_and_chat_kwargs_that_collide():
     llm = LLM(STORIES, dtype="float32", max_model_len=64, block_size=8)
     prompt = {"prompt_token_ids": list(range(100, 322))}
-    out = llm.generate(prompt, greedy(max_tokens=2, truncate_prompt_tokens=-1), use_tqdm=False)[0]
-    assert out.prompt_token_ids == list(range(258, 322))  # the engine's 64, not the model's 512
+    # -1: the engine's 64, not the model's 512; with 2 tokens more it cannot fit (as vLLM says).
+    fits = "maximum context length is 64 tokens and your request has 64 input tokens"
+    with pytest.raises(ValueError, match=fits):
+        llm.generate(prompt, greedy(max_tokens=2, truncate_prompt_tokens=-1), use_tqdm=False)
+    out = llm.generate(prompt, greedy(max_tokens=2, truncate_prompt_tokens=62), use_tqdm=False)[0]
+    assert out.prompt_token_ids == list(range(260, 322)) and len(out.outputs[0].token_ids) == 2
     with pytest.raises(ValueError, match="chat_template_kwargs may not set add_generation_prompt"):
         llm.chat(CONVERSATION, greedy(), chat_template_kwargs={"add_generation_prompt": False})
     assert LLM(
