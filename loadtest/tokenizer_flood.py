@@ -31,7 +31,7 @@ from parkade.models import DEFAULT_MODEL
 from parkade.schemas import GenerateRequest, topics
 from parkade.services.bus import MemoryBus
 from parkade.services.bus.serve import serve
-from parkade.services.executor.build import build_service
+from parkade.services.executor.main import build_service
 from parkade.services.executor.options import ExecutorOptions
 from parkade.services.scheduler.config import SchedulingOptions
 from parkade.services.scheduler.main import SchedulerService
@@ -73,7 +73,7 @@ async def one_mode(mode: str, flood: int, chars: int) -> dict:
 
 async def _measure(mode: str, flood: int, chars: int) -> dict:
     bus = MemoryBus()
-    async with pipeline(bus) as tokenizer, Client(bus=bus, topic_prefix=PREFIX, idle_timeout_s=600) as client:
+    async with pipeline(bus) as tokenizer, Client(bus=bus, topic_prefix=PREFIX, idle_timeout_s=300) as client:
         if mode != "refused-by-length":
             tokenizer.frontend.token_bound = None
         if mode == "inline":
@@ -84,7 +84,8 @@ async def _measure(mode: str, flood: int, chars: int) -> dict:
         for i in range(flood):
             message = GenerateRequest(request_id=f"flood-{i}", prompt=f"{i} " + words * (chars // len(words)))
             client.expect(message.request_id)
-            await bus.send(requests, topics.encode(message), key=message.request_id.encode())
+            reply = ((topics.REPLY_TOPIC, client.reply_topic.encode()),)  # its events: to this client
+            await bus.send(requests, topics.encode(message), key=message.request_id.encode(), headers=reply)
             ids.append(message.request_id)
         start = time.monotonic()
         params = SamplingParams(temperature=0, max_tokens=4)
