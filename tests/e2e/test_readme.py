@@ -1,9 +1,11 @@
-"""The README's plain-aiokafka example ("From any Kafka client"), taken from README.md as written
-and run as a script against the three services on a broker of this module's own.
+"""The README's Python examples, taken from README.md as written and run as scripts against the
+three services and the gateway on a broker of this module's own (the OpenAI one with the
+gateway's URL for the default 127.0.0.1:8000; nothing else changed).
 
-It runs twice in a row, as a user would run it: each run must print the in-process engine's text
-and exit 0 (a fixed request id would be refused the second time). A third run, with its prompt
-too long for the model, must print the error event's message and exit non-zero.
+The plain-aiokafka example ("From any Kafka client") runs twice in a row, as a user would run it:
+each run must print the in-process engine's text and exit 0 (a fixed request id would be refused
+the second time). A third run, with its prompt too long for the model, must print the error
+event's message and exit non-zero. The `Client`, `LLM` and OpenAI examples must print a story.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from stack import TANSU_NOT_LEADER
 from parkade import LLM, SamplingParams
 from parkade.schemas import topics
 from parkade.services.bus.kafka import KafkaBus
+from parkade.services.gateway.handler import GatewayHandler, GatewayOptions
+from parkade.services.gateway.main import serve
 
 pytestmark = [pytest.mark.e2e, TANSU_NOT_LEADER]
 
@@ -32,14 +36,18 @@ PROMPT = '"prompt": "Once upon a time"'
 RUN_TIMEOUT_S = 120
 
 
-def readme_aiokafka_example() -> str:
-    """The README's one Python block that imports aiokafka."""
+def readme_example(marker: str) -> str:
+    """The README's one Python block that has `marker`."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    (block,) = [b for b in blocks if "from aiokafka import" in b]
+    (block,) = [b for b in blocks if marker in b]
     return block
 
 
-def test_the_readmes_aiokafka_example_runs_twice_and_reports_an_error(module_broker, tmp_path):
+def readme_aiokafka_example() -> str:
+    return readme_example("from aiokafka import")
+
+
+def test_the_readmes_python_examples_run_as_written(module_broker, tmp_path):
     script = readme_aiokafka_example()
     assert "parkade import" not in script and "import parkade" not in script, "no Parkade import"
     assert 'os.environ["KAFKA_BOOTSTRAP_SERVERS"]' in script
@@ -69,16 +77,43 @@ def test_the_readmes_aiokafka_example_runs_twice_and_reports_an_error(module_bro
         # The example's own topic names (the default prefix), on this module's broker.
         bus = KafkaBus(module_broker, client_id="e2e-readme")
         await bus.create_topics([topics.topic_name(t, topics.DEFAULT_PREFIX) for t in topics.ALL_TOPICS])
+        options = GatewayOptions(model=STORIES, http_port=0)
+        stop, url = asyncio.Event(), asyncio.get_running_loop().create_future()
         try:
             async with running_pipeline(bus, STORIES, prefix=topics.DEFAULT_PREFIX, **ENGINE):
                 first = await run(script)
                 second = await run(script)
                 refused = await run(script.replace(PROMPT, f"{PROMPT} * 200"))  # over the context
-                return first, second, refused
+                others = {"client": await run(readme_example("from parkade.client import Client"))}
+                others["llm"] = await run(readme_example("llm = LLM(max_num_seqs=64)"))
+                handler = GatewayHandler.from_options(options)
+                prefix = topics.DEFAULT_PREFIX
+                gateway = asyncio.create_task(
+                    serve(
+                        module_broker,
+                        prefix,
+                        handler,
+                        options,
+                        api_key=None,
+                        stop=stop,
+                        broker_wait_s=10,
+                        ready=url.set_result,
+                    )
+                )
+                await asyncio.wait({gateway, url}, return_when=asyncio.FIRST_COMPLETED)
+                try:
+                    example = readme_example("from openai import OpenAI")
+                    others["openai"] = await run(example.replace("http://127.0.0.1:8000/v1", await url))
+                finally:
+                    stop.set()
+                    await gateway
+                return first, second, refused, others
         finally:
             await bus.close()
 
-    first, second, refused = asyncio.run(main())
+    first, second, refused, others = asyncio.run(main())
+    for name, (code, out, err) in others.items():
+        assert code == 0 and len(out.split()) >= 5, (name, out, err)  # (a story, sampled)
     for code, out, err in (first, second):
         assert code == 0, err
         text, _, summary = out.rpartition("\n[")
