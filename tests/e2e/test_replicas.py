@@ -105,10 +105,16 @@ def test_two_replicas_lose_nothing_when_one_is_killed_or_hangs(tmp_path):
                 routes = await _routes(state["bootstrap_servers"])
                 assert {r.replica for r in routes if r.replica} == {"0", "1"}, routes  # both took streams
 
-                # 2. replica 1's scheduler hangs past the timeout: its streams go on at replica 0,
+                # 2. a replica's scheduler hangs past the timeout: its streams go on at the other,
                 # and once it wakes its copies are aborted (never run twice to completion).
+                # NOTE: the replica that took the most of this round's streams: the router may
+                # send them all to one (seen in CI: replica 1 had none after round 1's hand-over).
+                hung: list[str] = []
+
                 async def hang() -> None:
-                    pid = up.wait_ready()["pids"]["scheduler-1"]
+                    taken = [r.replica for r in (await _routes(state["bootstrap_servers"]))[before:]]
+                    hung.append(max(("0", "1"), key=taken.count))
+                    pid = up.wait_ready()["pids"]["scheduler" if hung[0] == "0" else "scheduler-1"]
                     os.kill(pid, signal.SIGSTOP)
                     try:
                         await asyncio.sleep(4)
@@ -122,7 +128,8 @@ def test_two_replicas_lose_nothing_when_one_is_killed_or_hangs(tmp_path):
                     for r in (await _routes(state["bootstrap_servers"]))[before:]
                     if r.from_index and r.replica
                 ]
-                assert handed and {r.replica for r in handed} == {"0"}, handed
+                other = {"0": "1", "1": "0"}[hung[0]]
+                assert handed and {r.replica for r in handed} == {other}, (hung, handed)
 
                 # 3. kill -9 the first of the two tokenizers: its successor reads the routing
                 # journal and sends each of its streams back to the replica that runs it (nothing
