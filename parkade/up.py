@@ -49,7 +49,7 @@ from parkade.home import parkade_home, read_state, remove_state, state_path, wri
 from parkade.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from parkade.schemas.topics import DEFAULT_PREFIX
 from parkade.services import SERVICES
-from parkade.services.bus.runtime import BROKER_WAIT_S, EXIT_DUPLICATE
+from parkade.services.bus.runtime import BROKER_WAIT_S, EXIT_DUPLICATE, idempotence_from_env
 from parkade.services.common.flags import Flag, add_flags, flag_values, to_argv
 from parkade.services.common.model_config import resolve_max_model_len
 from parkade.services.common.model_files import check_model_folder
@@ -164,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     local.add_argument(
         "--idempotence",
         action=argparse.BooleanOptionalAction,
-        default=os.environ.get("PARKADE_KAFKA_IDEMPOTENCE", "") in ("1", "true", "yes"),
+        default=idempotence_from_env(),
         help="idempotent producing in every service (Apache Kafka; not the embedded broker). Default: "
         "off, or $PARKADE_KAFKA_IDEMPOTENCE=1",
     )

@@ -61,7 +61,7 @@ def service_parser(name: str, description: str | None, *, replica: bool = False)
     parser.add_argument(
         "--idempotence",
         action=argparse.BooleanOptionalAction,
-        default=os.environ.get("PARKADE_KAFKA_IDEMPOTENCE", "") in ("1", "true", "yes"),
+        default=idempotence_from_env(),
         help="idempotent producing (Apache Kafka; not Tansu's memory mode). Default: off, or "
         "$PARKADE_KAFKA_IDEMPOTENCE=1",
     )
@@ -83,6 +83,11 @@ def service_parser(name: str, description: str | None, *, replica: bool = False)
         help=f"seconds to wait for the broker to answer at start (default: {BROKER_WAIT_S:g})",
     )
     return parser
+
+
+def idempotence_from_env() -> bool:
+    """--idempotence's default, for a service and for `parkade up`: $PARKADE_KAFKA_IDEMPOTENCE."""
+    return os.environ.get("PARKADE_KAFKA_IDEMPOTENCE", "") in ("1", "true", "yes")
 
 
 def run_service(
