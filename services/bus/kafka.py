@@ -287,27 +287,16 @@ class KafkaBus:
         return await consumer.committed(TopicPartition(topic, 0))
 
     async def _progress_consumer(self, group_id: str, topic: str) -> AIOKafkaConsumer:
-        """A consumer of `group_id` assigned `topic` by hand: it only commits, never reads (a
-        group's offsets are where Kafka keeps small durable numbers)."""
+        """`group_id`'s committer of `topic`, kept (a group's offsets are where Kafka keeps small
+        durable numbers)."""
         consumer = self._progress.get((group_id, topic))
         if consumer is None:
-            consumer = AIOKafkaConsumer(
-                **_security(),
-                bootstrap_servers=self.bootstrap_servers,
-                client_id=self.client_id,
-                group_id=group_id,
-                enable_auto_commit=False,
-            )
-            await consumer.start()
-            consumer.assign([TopicPartition(topic, 0)])
-            # Paused: it only commits, and a fetch of the topic would read its records for nothing.
-            consumer.pause(TopicPartition(topic, 0))
-            self._progress[(group_id, topic)] = consumer
+            consumer = self._progress[(group_id, topic)] = await self._committer(group_id, [topic])
         return consumer
 
-    async def save_progress_many(self, group_id: str, offsets: dict[str, int]) -> None:
-        if not offsets:
-            return
+    async def _committer(self, group_id: str, topics: list[str]) -> AIOKafkaConsumer:
+        """A started consumer of `group_id`, assigned `topics` by hand and paused: it only
+        commits (a fetch of the topics would read their records for nothing)."""
         consumer = AIOKafkaConsumer(
             **_security(),
             bootstrap_servers=self.bootstrap_servers,
@@ -316,10 +305,16 @@ class KafkaBus:
             enable_auto_commit=False,
         )
         await consumer.start()
+        partitions = [TopicPartition(topic, 0) for topic in topics]
+        consumer.assign(partitions)
+        consumer.pause(*partitions)
+        return consumer
+
+    async def save_progress_many(self, group_id: str, offsets: dict[str, int]) -> None:
+        if not offsets:
+            return
+        consumer = await self._committer(group_id, list(offsets))
         try:
-            partitions = [TopicPartition(topic, 0) for topic in offsets]
-            consumer.assign(partitions)
-            consumer.pause(*partitions)
             await consumer.commit({TopicPartition(t, 0): o for t, o in offsets.items()})
         finally:
             await consumer.stop()
