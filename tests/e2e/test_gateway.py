@@ -8,8 +8,10 @@ topics, a real HTTP server on a free port), so a test can look at the scheduler'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
+from collections.abc import AsyncIterator
 
 import httpx
 import openai
@@ -42,33 +44,42 @@ def run_with_gateway(
         bus = KafkaBus(bootstrap, client_id="e2e-services")
         await bus.create_topics([topics.topic_name(t, prefix) for t in topics.ALL_TOPICS])
         options = GatewayOptions(model=STORIES, http_port=0, max_body_bytes=100_000)
-        stop, url = asyncio.Event(), asyncio.get_running_loop().create_future()
         try:
             async with running_pipeline(bus, STORIES, prefix=prefix, **{**ENGINE, **kw}) as pipeline:
                 pipeline.prefix = prefix  # for a test that reads the topics
                 pipeline.gateway = GatewayHandler.from_options(options)  # for one that looks inside
-                gateway = asyncio.create_task(
-                    serve(
-                        bootstrap,
-                        prefix,
-                        pipeline.gateway,
-                        options,
-                        api_key=api_key,
-                        stop=stop,
-                        broker_wait_s=10,
-                        ready=url.set_result,
-                    )
-                )
-                await asyncio.wait({gateway, url}, return_when=asyncio.FIRST_COMPLETED)
-                try:
-                    return await asyncio.wait_for(body(pipeline, await url), 300)
-                finally:
-                    stop.set()
-                    await gateway
+                async with running_gateway(bootstrap, prefix, pipeline.gateway, options, api_key) as url:
+                    return await asyncio.wait_for(body(pipeline, url), 300)
         finally:
             await bus.close()
 
     return asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(
+    bootstrap: str, prefix: str, handler: GatewayHandler, options: GatewayOptions, api_key: str | None = None
+) -> AsyncIterator[str]:
+    """The gateway serving `handler` as a task of this process, until the block ends; -> its URL."""
+    stop, url = asyncio.Event(), asyncio.get_running_loop().create_future()
+    gateway = asyncio.create_task(
+        serve(
+            bootstrap,
+            prefix,
+            handler,
+            options,
+            api_key=api_key,
+            stop=stop,
+            broker_wait_s=10,
+            ready=url.set_result,
+        )
+    )
+    await asyncio.wait({gateway, url}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        yield await url
+    finally:
+        stop.set()
+        await gateway
 
 
 async def final_events(bootstrap: str, topic: str) -> list:

