@@ -1,21 +1,27 @@
-"""The CPU backend: a compiled decode-attention kernel; prefill chunks through torch's SDPA.
+"""The CPU backend: one compiled kernel for every query row of a step, decode and prefill alike.
 
-Decode steps are most of serving, and the torch path pays there for gathering every request's
-blocks into padded fp32 copies each layer. `csrc/decode_attention.c` reads each request's K/V rows
-in place, in the cache dtype, once per KV head, and skips padding. It is built on first use with
-the system C compiler (`-O3 -march=native`, about a second) into `$PARKADE_HOME/kernels/`, keyed by
-source, flags, compiler and CPU, and called through ctypes, which releases the GIL: the work items
-(request, KV head) are split by cost over `torch.get_num_threads()` Python threads.
+`csrc/paged_attention.c` reads each request's K/V rows in place, in the cache dtype, and skips
+padding: no gathered fp32 copy of the cache (which the torch path pays for every layer) and no
+mask. A prefill chunk's row at position p is attended like a decode over keys 0..p. It runs on the
+vector units the CPU has (AVX-512 with VDPBF16PS dot products, AVX-512, AVX2: `features()` says
+which), built on first use with the system C compiler (`-O3 -march=native -fopenmp`, about a
+second; $PARKADE_CPU_MARCH picks another -march) into `$PARKADE_HOME/kernels/`, keyed by source,
+flags, compiler and CPU, and called through ctypes, which releases the GIL.
+
+Threads: the kernel splits its work items (query row, KV heads) by cost over an OpenMP team of
+`torch.get_num_threads()`. It links the libgomp that torch itself loaded (same soname: the loader
+reuses it), so attention and torch's GEMMs share one thread pool; two pools on the same cores
+would spin against each other after every op. Where that cannot hold (no OpenMP build, or torch
+runs another OpenMP runtime) the items are split over Python threads instead.
 
 `available()` says whether the kernel can be built here (a C compiler); `get_attention_backend('auto')`
 picks this backend on a CPU only when it can. Caches of other dtypes than fp32 and bf16 (fp16) and
-head dims above 256 take the torch decode path.
+head dims above 256 take the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import itertools
 import logging
@@ -35,17 +41,20 @@ import torch
 from parkade.kernels import attention_torch
 from parkade.kernels.attention_torch import write_kv_cache
 
-__all__ = ["available", "build", "decode_attention", "paged_attention_varlen", "write_kv_cache"]
+__all__ = ["available", "build", "decode_attention", "features", "paged_attention_varlen", "write_kv_cache"]
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 # -fassociative-math (with the two flags it needs) lets the compiler vectorize the dot products'
 # reductions; no -ffinite-math-only: the online softmax starts from -inf.
 CFLAGS = (
-    "-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
-    "-fassociative-math", "-fno-signed-zeros",
+    "-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+    "-fno-signed-zeros",
 )  # fmt: skip
+OPENMP_FLAGS = ("-fopenmp",)
+# Bits of the library's parkade_attention_features() (csrc/paged_attention.c).
+_FEATURES = {1: "openmp", 2: "avx2", 4: "avx512", 8: "avx512_bf16"}
 MAX_HEAD_DIM, MAX_HEADS, MAX_WIDTH = 256, 128, 512  # the kernel's fixed buffers
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Below this many keys x KV heads in a step, one thread does it all: a hand-off costs more.
@@ -54,6 +63,12 @@ MIN_PARALLEL_WORK = 16_384
 
 class KernelBuildError(RuntimeError):
     pass
+
+
+def _march() -> str:
+    """The CPU the kernel is built for: this one (`native`), or $PARKADE_CPU_MARCH, e.g. `haswell`
+    (AVX2, no AVX-512) for a build that older CPUs share, or to run the AVX2 path on a newer one."""
+    return "-march=" + (os.environ.get("PARKADE_CPU_MARCH") or "native")
 
 
 def _cpu_identity() -> str:
@@ -78,42 +93,84 @@ def _cache_dir() -> Path:
     return Path(home).expanduser() / "kernels"
 
 
+def _build_library(compiler: str, version: str, flags: tuple[str, ...]) -> Path:
+    """Compile the kernel with `flags` unless a build of this source, flags, compiler and CPU exists."""
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), *flags, compiler, version, _cpu_identity()]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"paged_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent builders never load a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    os.close(fd)
+    try:
+        command = [compiler, *flags, str(SOURCE), "-o", tmp, "-lm"]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as error:  # e.g. the 300 s timeout
+            raise KernelBuildError(f"building {SOURCE.name} failed: {error}") from error
+        if result.returncode:
+            raise KernelBuildError(f"building {SOURCE.name} failed:\n{result.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built the CPU decode-attention kernel: %s", target)
+    return target
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtimes mapped into this process (file names), from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
+    except OSError:
+        return set()
+    return {p for p in paths if os.path.basename(p).startswith(("libgomp", "libiomp", "libomp"))}
+
+
 @cache
 def _library() -> ctypes.CDLL:
-    """Build (once per source, flags, compiler and CPU) and load the kernel library."""
+    """Build (once per source, flags, compiler and CPU) and load the kernel library: with OpenMP
+    where the compiler has it, else without (the Python threads split the work then)."""
     compiler = _compiler()
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as error:
         raise KernelBuildError(f"C compiler {compiler} does not run: {error}") from error
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), *CFLAGS, compiler, version, _cpu_identity()]).encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename: concurrent builders never load a half-written file.
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
-        os.close(fd)
-        try:
-            command = [compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"]
-            try:
-                result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            except (OSError, subprocess.SubprocessError) as error:  # e.g. the 300 s timeout
-                raise KernelBuildError(f"building {SOURCE.name} failed: {error}") from error
-            if result.returncode:
-                raise KernelBuildError(f"building {SOURCE.name} failed:\n{result.stderr.strip()}")
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        log.info("built the CPU decode-attention kernel: %s", target)
+    try:
+        target = _build_library(compiler, version, (*CFLAGS, _march(), *OPENMP_FLAGS))
+    except KernelBuildError as error:
+        if "timed out" in str(error):
+            raise
+        log.warning("the CPU attention kernel builds without OpenMP: %s", error)
+        target = _build_library(compiler, version, (*CFLAGS, _march()))
     lib = ctypes.CDLL(str(target))
-    fn = lib.decode_attention
+    fn = lib.paged_attention_rows
     fn.restype = ctypes.c_int
     i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    fn.argtypes = [ptr, ptr, ptr, i32, ptr, i64, ptr, ptr, i32, i32, i32, i32, f32, i32, i32, i64, i64]
+    fn.argtypes = [
+        ptr, ptr, ptr, i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, f32, i32, i32, i64, i64, i32,
+    ]  # fmt: skip
+    lib.parkade_attention_features.restype = ctypes.c_int
+    lib.parkade_attention_features.argtypes = []
     return lib
+
+
+@cache
+def _shared_openmp() -> bool:
+    """Whether the kernel's OpenMP team is torch's own: built with OpenMP, and one runtime mapped."""
+    return bool(_library().parkade_attention_features() & 1) and len(_openmp_runtimes()) == 1
+
+
+def features() -> list[str]:
+    """What the built kernel uses here: `avx2`, `avx512`, `avx512_bf16` (dot products on bf16
+    pairs), and `openmp` when its threads are torch's pool. Builds the kernel if needed."""
+    bits = _library().parkade_attention_features()
+    names = [name for bit, name in _FEATURES.items() if bits & bit and name != "openmp"]
+    return names + (["openmp"] if _shared_openmp() else [])
 
 
 def build() -> None:
@@ -153,6 +210,79 @@ def _split_by_cost(costs: np.ndarray, parts: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(edges))
 
 
+def _kernel_handles(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sliding_window: int | None
+) -> bool:
+    """Whether the kernel computes this (else the torch path does, e.g. for an fp16 cache)."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    return (
+        k_cache.dtype in _DTYPE_CODES
+        and v_cache.dtype == k_cache.dtype
+        and head_dim <= MAX_HEAD_DIM
+        and num_q_heads // k_cache.shape[2] <= MAX_HEADS
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and (sliding_window is None or sliding_window > 0)
+    )
+
+
+def _attend_rows(
+    q: torch.Tensor,  # [num_rows, num_q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [num_seqs, max_num_blocks]
+    row_lens: np.ndarray,  # [num_rows] int32: keys each row sees (its position + 1)
+    row_seq: np.ndarray | None,  # [num_rows] int32: each row's block-table row; None: the same index
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The kernel over every query row; -> [num_rows, num_q_heads, head_dim] in q's dtype."""
+    num_rows, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    threads = torch.get_num_threads()
+    # A row's token rows (all KV heads) are contiguous: one item of all its heads streams them.
+    # Split heads only when there are too few rows to keep every thread busy.
+    heads_per_item = 1
+    if num_rows >= 2 * threads:
+        heads_per_item = max(
+            k
+            for k in range(1, num_kv_heads + 1)
+            if num_kv_heads % k == 0 and k * head_dim <= MAX_WIDTH and k * group <= MAX_HEADS
+        )
+    qf = q.to(torch.float32).contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    lens = np.ascontiguousarray(row_lens, dtype=np.int32)
+    seqs = None if row_seq is None else np.ascontiguousarray(row_seq, dtype=np.int32)
+    out = torch.empty(qf.shape, dtype=torch.float32)
+    fn = _library().paged_attention_rows
+
+    def run(begin: int, end: int, num_threads: int = 1) -> None:
+        rc = fn(
+            qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+            table.data_ptr(), table.stride(0), lens.ctypes.data, None if seqs is None else seqs.ctypes.data,
+            out.data_ptr(), num_q_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
+            heads_per_item, begin, end, num_threads,
+        )  # fmt: skip
+        if rc:  # the checks above make this unreachable; never run with unchecked buffers
+            raise RuntimeError("paged_attention_rows rejected its shapes")
+
+    items_per_row = num_kv_heads // heads_per_item
+    num_items = num_rows * items_per_row
+    # Keys each item reads: what the split between threads balances.
+    visible = lens.astype(np.int64) if not sliding_window else np.minimum(lens, sliding_window)
+    costs = np.repeat(visible * heads_per_item, items_per_row)
+    if threads <= 1 or costs.sum() < MIN_PARALLEL_WORK:
+        run(0, num_items)
+    elif _shared_openmp():
+        run(0, num_items, threads)  # the kernel splits by cost over torch's own OpenMP threads
+    else:
+        pool = _thread_pool(threads)
+        for future in [pool.submit(run, a, b) for a, b in _split_by_cost(costs, threads)]:
+            future.result()
+    return out.to(q.dtype)
+
+
 def decode_attention(
     q: torch.Tensor,  # [num_decodes, num_q_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -162,54 +292,45 @@ def decode_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """One query per request over its paged context (see the C source); -> q's shape and dtype."""
-    num_decodes, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    if (
-        k_cache.dtype not in _DTYPE_CODES
-        or head_dim > MAX_HEAD_DIM
-        or group > MAX_HEADS
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-    ):  # e.g. an fp16 cache: the torch path computes it
+    """One query per request over its paged context; -> q's shape and dtype."""
+    if not _kernel_handles(q, k_cache, v_cache, sliding_window):
         return attention_torch.decode_batch(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window)
-    threads = torch.get_num_threads()
-    # A request's token rows (all KV heads) are contiguous: one item of all its heads streams them.
-    # Split heads only when there are too few requests to keep every thread busy.
-    heads_per_item = 1
-    if num_decodes >= 2 * threads:
-        heads_per_item = max(
-            k
-            for k in range(1, num_kv_heads + 1)
-            if num_kv_heads % k == 0 and k * head_dim <= MAX_WIDTH and k * group <= MAX_HEADS
-        )
-    qf = q.to(torch.float32).contiguous()
-    table = block_table.to(torch.int32).contiguous()
     lens = np.asarray(seq_lens, dtype=np.int32)
-    out = torch.empty(qf.shape, dtype=torch.float32)
-    fn = _library().decode_attention
+    return _attend_rows(q, k_cache, v_cache, block_table, lens, None, scale, sliding_window)
 
-    def run(begin: int, end: int) -> None:
-        rc = fn(
-            qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
-            table.data_ptr(), table.stride(0), lens.ctypes.data, out.data_ptr(),
-            num_q_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0, heads_per_item,
-            begin, end,
+
+def paged_attention_varlen(
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    seqused_k: torch.Tensor,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    block_table: torch.Tensor,
+    sliding_window: int | None = None,
+    query_lens: tuple[int, ...] = (),
+    seq_lens: tuple[int, ...] = (),
+) -> torch.Tensor:
+    """`attention_torch.paged_attention_varlen` (same contract), every row of the batch (prefill
+    chunks and decodes) in one kernel call over the pool, in place."""
+    if not _kernel_handles(q, k_cache, v_cache, sliding_window):
+        return attention_torch.paged_attention_varlen(
+            q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, seqused_k=seqused_k,
+            max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, block_table=block_table,
+            sliding_window=sliding_window, query_lens=query_lens, seq_lens=seq_lens,
         )  # fmt: skip
-        if rc:  # the checks above make this unreachable; never run with unchecked buffers
-            raise RuntimeError("decode_attention rejected its shapes")
-
-    items_per_seq = num_kv_heads // heads_per_item
-    num_items = num_decodes * items_per_seq
-    costs = np.repeat(lens.astype(np.int64) * heads_per_item, items_per_seq)  # key rows each item reads
-    if threads <= 1 or costs.sum() < MIN_PARALLEL_WORK:
-        run(0, num_items)
+    q_lens = np.asarray(query_lens or (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), dtype=np.int64)
+    s_lens = np.asarray(seq_lens or seqused_k.tolist(), dtype=np.int64)
+    if q.shape[0] != q_lens.sum():
+        raise ValueError(f"q has {q.shape[0]} rows but the query lengths add up to {int(q_lens.sum())}")
+    if len(q_lens) == q.shape[0]:  # a pure decode step: rows and requests line up
+        row_lens, row_seq = s_lens, None
     else:
-        pool = _thread_pool(threads)
-        for future in [pool.submit(run, a, b) for a, b in _split_by_cost(costs, threads)]:
-            future.result()
-    return out.to(q.dtype)
-
-
-# The torch backend's batch splitting, with the decode rows on the compiled kernel.
-paged_attention_varlen = functools.partial(attention_torch.paged_attention_varlen, decode=decode_attention)
+        # Row r of request b sits at position s_b - q_b + r and sees that many keys plus itself.
+        row_seq = np.repeat(np.arange(len(q_lens)), q_lens)
+        starts = np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        row_lens = np.repeat(s_lens - q_lens, q_lens) + (np.arange(q.shape[0]) - starts) + 1
+    return _attend_rows(q, k_cache, v_cache, block_table, row_lens, row_seq, softmax_scale, sliding_window)

@@ -17,8 +17,6 @@ computed in fp32 (K/V gathered from the pool are copies anyway) and cast back to
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 
@@ -42,15 +40,6 @@ def write_kv_cache(
     v_flat[slots] = value[keep].to(v_cache.dtype)
 
 
-class DecodeFn(Protocol):
-    """Attention of one query per request; `q` [num_decodes, num_q_heads, head_dim] -> same, q's dtype."""
-
-    def __call__(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-        seq_lens: list[int], scale: float, sliding_window: int | None,
-    ) -> torch.Tensor: ...  # fmt: skip
-
-
 def paged_attention_varlen(
     q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -65,7 +54,6 @@ def paged_attention_varlen(
     sliding_window: int | None = None,
     query_lens: tuple[int, ...] = (),
     seq_lens: tuple[int, ...] = (),
-    decode: DecodeFn | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its paged context.
 
@@ -73,12 +61,10 @@ def paged_attention_varlen(
     KV head `h // (num_q_heads // num_kv_heads)` (transformers' `repeat_kv`). `query_lens` and
     `seq_lens` are host copies of the two length vectors; when given, no device sync happens to
     read them. `max_seqlen_q`/`max_seqlen_k` are accepted for signature parity and not needed.
-    Prefill chunks run one by one through SDPA, every decode row in one `decode` call (default
-    `decode_batch`; the CPU backend passes its compiled kernel).
+    Prefill chunks run one by one through SDPA, every decode row in one `decode_batch` call.
     Returns `[num_tokens, num_q_heads, head_dim]` in q's dtype.
     """
     del max_seqlen_q, max_seqlen_k
-    decode = decode or decode_batch
     if not query_lens:
         query_lens = tuple((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist())
     if not seq_lens:
@@ -109,7 +95,9 @@ def paged_attention_varlen(
         else:
             seqs = torch.tensor(decode_seqs, device=q.device)
             rows = torch.tensor(decode_rows, device=q.device)
-        out[rows] = decode(q[rows], k_cache, v_cache, block_table[seqs], lens, softmax_scale, sliding_window)
+        out[rows] = decode_batch(
+            q[rows], k_cache, v_cache, block_table[seqs], lens, softmax_scale, sliding_window
+        )
     return out
 
 

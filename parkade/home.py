@@ -5,6 +5,8 @@ up.json    the running `parkade up`: its pid, broker and topic prefix (how `park
            ready, removed when it stops
 logs/      each child's output, a folder per run of `parkade up` (`logs/latest`: the newest;
            see up.py)
+kernels/   the CPU attention kernel's builds (kernels/attention_cpu.py)
+inductor/  torch.compile's kernel cache (services/executor/compiled.py)
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from parkade.services.common.environment import parkade_home
 
-def parkade_home() -> Path:
-    return Path(os.environ.get("PARKADE_HOME") or "~/.cache/parkade").expanduser()
+__all__ = ["parkade_home", "read_state", "remove_state", "state_path", "write_state"]
 
 
 def state_path() -> Path:

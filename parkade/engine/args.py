@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from parkade.engine.engine_options import EngineOptions
 from parkade.engine.unsupported import check_unsupported, without_unsupported
+from parkade.services.common.flags import field_default
 from parkade.services.executor.options import ExecutorOptions
 from parkade.services.scheduler.config import SchedulingOptions
 from parkade.services.tokenizer.frontend import TokenizerOptions
@@ -51,7 +52,7 @@ class EngineArgs(TokenizerOptions, ExecutorOptions, SchedulingOptions, EngineOpt
         check_unsupported(kwargs)
         kwargs = without_unsupported(kwargs)
         # None asks for the default, as in vLLM (whose EngineArgs mostly default to None).
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        defaults = {f.name: field_default(f) for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in kwargs.items() if v is not None or defaults.get(k) is None}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)

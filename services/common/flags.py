@@ -64,6 +64,13 @@ def _kind(annotation: Any) -> tuple[type, bool]:
     return annotation, False
 
 
+def field_default(field: dataclasses.Field) -> Any:
+    """A dataclass field's default; a default_factory is called now (e.g. one that reads an
+    environment variable: the flag's default, as `--help` shows it, is what applies)."""
+    factory = field.default_factory
+    return factory() if factory is not dataclasses.MISSING else field.default
+
+
 def dataclass_flags(cls: type, exclude: Iterable[str] = ()) -> list[Flag]:
     """A flag for every init field of the dataclass `cls` but those in `exclude`."""
     hints = typing.get_type_hints(cls)
@@ -73,11 +80,12 @@ def dataclass_flags(cls: type, exclude: Iterable[str] = ()) -> list[Flag]:
             continue
         kind, repeated = _kind(hints[field.name])
         meta = field.metadata
+        default = field_default(field)
         flags.append(
             Flag(
                 name=field.name,
                 kind=kind,
-                default=field.default,
+                default=default,
                 help=meta.get("help", ""),
                 choices=meta.get("choices"),
                 repeated=repeated,

@@ -107,6 +107,7 @@ def build_executor(
         attention_backend=options.attention_backend,
         seed=options.seed,
         cpu_matmul_upcast=options.cpu_matmul_upcast,
+        compile_model=not options.enforce_eager,
     )
     max_model_len = kv_budget.fit_max_model_len(
         max_model_len,
@@ -114,6 +115,13 @@ def build_executor(
         num_blocks=executor.num_blocks,
         block_size=options.block_size,
     )
+    if executor.compiled is not None:
+        seconds = executor.compile_model()
+        log.info("compiled the forward in %.1f s (torch.compile, inductor)", seconds)
+    if device.type == "cpu":
+        from parkade.services.executor.cpu_paths import executor_paths
+
+        log.info("CPU paths: %s", executor_paths(executor))
     if device.type == "cuda" and not options.enforce_eager and executor.decode_graphs_supported():
         seconds = executor.capture_decode_graphs(max_model_len)
         log.info("captured %d decode CUDA graphs in %.1f s", len(executor.graphs.sizes), seconds)

@@ -17,6 +17,7 @@ from parkade.kernels.backends import AttentionBackend, get_attention_backend
 from parkade.schemas import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor import kv_budget
+from parkade.services.executor.compiled import CompiledForward
 from parkade.services.executor.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraph, DecodeGraphs, EagerGraph
 from parkade.services.executor.input_batch import InputBatch, ModelInputs
 from parkade.services.executor.kv_pool import allocate_kv_pool, num_blocks_for_budget
@@ -51,6 +52,7 @@ class Executor:
         attention_backend: AttentionBackend | str = AttentionBackend.AUTO,
         seed: int = 0,
         cpu_matmul_upcast: bool = True,
+        compile_model: bool = False,
     ) -> None:
         self.model_config = model_config
         self.block_size = block_size
@@ -77,6 +79,9 @@ class Executor:
         self.generator.manual_seed(seed)
         self.batch = InputBatch(block_size, device)
         self.graphs: DecodeGraphs | None = None
+        self.compiled: CompiledForward | None = None
+        if compile_model and self.compile_supported():
+            self.compiled = CompiledForward(self.model, self.kv_caches)
 
     @property
     def vocab_size(self) -> int:
@@ -85,6 +90,18 @@ class Executor:
     @property
     def num_requests(self) -> int:
         return len(self.batch)
+
+    def compile_supported(self) -> bool:
+        """torch.compile serves CPUs, with the backends whose kernels run there natively."""
+        return self.device.type == "cpu" and self.attention_backend.__name__.rsplit(".", 1)[-1] in (
+            "attention_cpu", "attention_torch",
+        )  # fmt: skip
+
+    def compile_model(self) -> float:
+        """Compile the forward now (see `compiled.py`); -> seconds it took, 0 when cached in-process."""
+        if self.compiled is None:
+            raise ValueError("this executor was built without compile_model, or cannot compile here")
+        return self.compiled.warmup()
 
     def decode_graphs_supported(self) -> bool:
         # By name: resolving the Triton backend on a CPU would switch on its interpreter.
@@ -125,7 +142,12 @@ class Executor:
         if not plan.num_scheduled_tokens:
             return StepResult(step_id=plan.step_id)
         inputs = self.batch.build(plan)
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        logits: torch.Tensor | None = None  # the compiled step computes them with the layers
+        if self.compiled is not None:
+            hidden, logits = self.compiled(
+                inputs.input_ids, inputs.positions, inputs.attn_metadata, inputs.logits_indices
+            )
+        elif self.graphs is not None and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
@@ -136,7 +158,8 @@ class Executor:
         states = inputs.sampling_states
         if not states:
             return StepResult(step_id=plan.step_id, prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if logits is None:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         token_ids, logprobs = self.sampler(logits, states, self.generator)
         self.batch.append_sampled(states, token_ids)
         return StepResult(

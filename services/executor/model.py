@@ -126,6 +126,9 @@ class Attention(nn.Module):
         self.scale = d**-0.5
         self.sliding_window = config.layer_sliding_window(layer)
         self.backend = backend  # a plain attribute: swapped by DecoderLM.set_attention_backend
+        # Whether the write and attention go through the `parkade::paged_attention` op, which
+        # torch.compile keeps whole (DecoderLM.use_attention_op).
+        self.as_op = False
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata
@@ -135,6 +138,12 @@ class Attention(nn.Module):
         k = _apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
+        if self.as_op:
+            out = torch.ops.parkade.paged_attention(
+                q, k, v, k_cache, v_cache, md.slot_mapping, md.cu_seqlens_q, md.seqused_k, md.block_table,
+                self.scale, self.sliding_window, self.backend.__name__,
+            )  # fmt: skip
+            return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
         # Write first: this step's queries attend to this step's keys through the pool.
         self.backend.write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
         out = self.backend.paged_attention_varlen(
@@ -219,6 +228,13 @@ class DecoderLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.backend = backend
 
+    def use_attention_op(self) -> None:
+        """Call attention through the `parkade::paged_attention` op, for torch.compile to trace around."""
+        import parkade.kernels.attention_op  # noqa: F401  (registers the op)
+
+        for layer in self.model.layers:
+            layer.self_attn.as_op = True
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64
@@ -228,6 +244,13 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         """Compute one step's tokens, writing their K/V into the pool; -> hidden [num_tokens, hidden]."""
         cos, sin = self.rotary(positions, attn_metadata.max_seqlen_k)
+        return self.run_layers(input_ids, cos, sin, kv_caches, attn_metadata)
+
+    def run_layers(
+        self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # fmt: skip
+        """`forward` past the rotary tables (cos/sin [num_tokens, 1, head_dim]): what gets compiled."""
         h = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, attn_metadata)

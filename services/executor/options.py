@@ -11,6 +11,7 @@ from typing import Any
 
 from parkade.kernels.backends import AttentionBackend
 from parkade.models import DEFAULT_MODEL
+from parkade.services.common.environment import enforce_eager_default
 from parkade.services.common.model_config import DTYPE_NAMES, check_dtype_name
 from parkade.services.common.model_files import MAX_MODEL_LEN_METADATA, MODEL_METADATA
 from parkade.services.common.simulation import SIMULATE_METADATA, Simulation
@@ -68,8 +69,12 @@ class ExecutorOptions:
     )
     seed: int = field(default=0, metadata={"help": "seed of the sampling of requests without their own seed"})
     enforce_eager: bool = field(
-        default=False,
-        metadata={"help": "no CUDA graphs of decode steps (captured on CUDA with the triton backend)"},
+        default_factory=enforce_eager_default,
+        metadata={
+            "help": "run the model op by op: no torch.compile of the forward on a CPU (compiled once at "
+            "start, cached in $PARKADE_HOME/inductor), no CUDA graphs of decode steps on CUDA; "
+            "default: $PARKADE_ENFORCE_EAGER"
+        },
     )
     cpu_matmul_upcast: bool = field(
         default=True,

@@ -1,18 +1,25 @@
-"""The compiled CPU decode kernel on serving-sized batches, where its own paths switch on.
+"""The compiled CPU attention kernel on serving-sized batches, where its own paths switch on.
 
 The small cases of test_attention_torch.py run it against a dense reference; here a batch is big
 enough that items hold every KV head of a request and that the work is split over threads, and
-the torch decode path (itself checked against the dense reference) is the expected value.
+the torch path (itself checked against the dense reference) is the expected value. Head dims pick
+the kernel's vector paths: 64 and 128 (VDPBF16PS dot products on a bf16 cache where the CPU has
+AVX512-BF16, fp32 vectors otherwise), 48 (fp32 vectors only), 8 (scalar loops).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import platform
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from test_attention_torch import make_case
+from test_attention_torch import dense_reference, make_case, run_paged
 
 from parkade.kernels import attention_cpu, attention_torch
 from parkade.kernels.backends import AttentionBackend, get_attention_backend
@@ -36,7 +43,9 @@ def decode_case(num_seqs: int, dtype: torch.dtype, *, num_q_heads: int, num_kv_h
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim"), [(4, 2, 64), (12, 4, 64), (8, 8, 128)])
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim"), [(4, 2, 64), (12, 4, 64), (8, 8, 128), (6, 2, 48), (4, 2, 8)]
+)
 @pytest.mark.parametrize("num_seqs", [3, 48])  # 3: one KV head per item; 48: whole rows per item
 @pytest.mark.parametrize("window", [None, 100])
 def test_batched_decode_equals_the_torch_path(
@@ -52,6 +61,38 @@ def test_batched_decode_equals_the_torch_path(
     assert got.dtype == dtype and got.shape == case.q.shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 48, 8])
+@pytest.mark.parametrize("window", [None, 50])
+def test_mixed_prefill_and_decode_rows_on_threads(two_threads, dtype, head_dim, window):
+    # 40 decodes and 6 prefill chunks, 3 of them after a cached context: every row in one call.
+    gen = torch.Generator().manual_seed(head_dim)
+    seq_lens = torch.randint(200, 500, (46,), generator=gen).tolist()
+    query_lens = [1] * 40 + [min(n, q) for n, q in zip(seq_lens[40:], [300, 37, 5, 120, 64, 2], strict=True)]
+    case = make_case(
+        seq_lens, query_lens, block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, dtype=dtype,
+        shared_blocks=3,
+    )  # fmt: skip
+    scale = head_dim**-0.5
+    got = run_paged(case, scale, window, backend="cpu")
+    assert sum(seq_lens) * 2 >= attention_cpu.MIN_PARALLEL_WORK  # the threaded split runs
+    expected = dense_reference(case, scale, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+
+
+def test_the_kernel_reports_what_it_uses():
+    names = attention_cpu.features()
+    assert set(names) <= {"avx2", "avx512", "avx512_bf16", "openmp"}
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    # -march=native: the build uses exactly what this CPU has.
+    assert ("avx512" in names) == ("avx512f" in flags)
+    assert ("avx512_bf16" in names) == ("avx512_bf16" in flags and "avx512f" in flags)
+    assert ("avx2" in names) == ("avx2" in flags)
+    assert "openmp" in names  # CI's gcc has OpenMP, and torch's libgomp is the only runtime loaded
 
 
 def test_an_fp16_cache_takes_the_torch_path():
@@ -105,3 +146,35 @@ def test_a_compiler_that_hangs_is_reported(monkeypatch, tmp_path):
         assert not list((tmp_path / "kernels").glob("*.so"))  # no half-built library left behind
     finally:
         attention_cpu._library.cache_clear()
+
+
+ISA_CHILD = """
+import json, torch
+from test_attention_torch import dense_reference, make_case, run_paged
+from parkade.kernels import attention_cpu
+torch.set_num_threads(2)
+worst = 0.0
+for dtype, head_dim in ((torch.bfloat16, 64), (torch.float32, 64), (torch.bfloat16, 8)):
+    lens = [300, 17, 250, 90]
+    case = make_case(lens, [1, 17, 1, 30], block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=head_dim,
+                     dtype=dtype, shared_blocks=1)
+    got = run_paged(case, head_dim**-0.5, None, backend="cpu").double()
+    worst = max(worst, (got - dense_reference(case, head_dim**-0.5, None)).abs().max().item())
+print(json.dumps({"features": attention_cpu.features(), "worst": worst}))
+"""
+
+
+@pytest.mark.parametrize(("march", "expected"), [("haswell", ["avx2", "openmp"]), ("x86-64", ["openmp"])])
+def test_the_avx2_and_generic_builds_on_this_cpu(tmp_path, march, expected):
+    # $PARKADE_CPU_MARCH builds the kernel for an older CPU: its AVX2 and generic paths run here
+    # as on a machine that has nothing newer.
+    if platform.machine() != "x86_64":
+        pytest.skip("x86 -march names")
+    env = {**os.environ, "PARKADE_CPU_MARCH": march, "PARKADE_HOME": str(tmp_path)}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", ISA_CHILD], env=env, capture_output=True, text=True, check=True, timeout=300
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["features"] == expected
+    assert result["worst"] < 2e-2  # bf16 tolerance, as test_attention_torch

@@ -16,6 +16,7 @@ from parkade.engine.args import ENGINE_ONLY_FIELDS, EngineArgs
 from parkade.kernels.backends import AttentionBackend
 from parkade.schemas import ExecutorAnnouncement
 from parkade.services.bus.runtime import service_parser
+from parkade.services.common.environment import enforce_eager_default
 from parkade.services.common.flags import add_flags, dataclass_flags, flag_values, to_argv
 from parkade.services.executor import main as executor_main
 from parkade.services.executor.options import ExecutorOptions
@@ -54,7 +55,7 @@ NON_DEFAULTS = {
         attention_backend=AttentionBackend.TRITON,
         seed=11,
         cpu_matmul_upcast=False,
-        enforce_eager=True,
+        enforce_eager=not enforce_eager_default(),  # the suite runs with $PARKADE_ENFORCE_EAGER=1
         simulate="h100:qwen2-7b",
         simulate_speedup=0.5,
         simulate_mfu=0.4,

@@ -1,0 +1,359 @@
+/* Paged attention for CPUs: each query row over its request's paged K/V, decode and prefill alike.
+ *
+ * Built on first use by parkade.kernels.attention_cpu (cc -O3 -march=native -fopenmp, see there)
+ * and called through ctypes, which releases the GIL.
+ *
+ * A query row is one token's query heads: a decode request has one row, a prefill chunk of q_len
+ * tokens has q_len rows, the row at position p seeing keys up to p (its own `seq_lens` entry is
+ * p + 1, and `row_seq` maps it to its request's block-table row). Rows are independent, so a
+ * prefill chunk reads its request's K/V in place like a decode, with no gathered copy and no mask;
+ * its rows re-read the same few blocks, from cache.
+ *
+ * Work item i = (query row b, a run of `kv_heads_per_item` KV heads starting at h0) serves the query
+ * heads that read those KV heads (transformers' repeat_kv order: query head j reads KV head
+ * j / group). One pass over the request's keys reads each K/V row once, in the cache dtype, in
+ * place (no copy of the pool); a whole token row of all KV heads is contiguous, so an item of every
+ * head streams whole blocks:
+ *
+ *   for each tile of up to TILE keys p in [first, seq_len):       (first > 0 only with a window)
+ *       s[j][t] = scale * <q[j], k[p]>                              fp32 accumulation
+ *       online softmax: m' = max(m, max_t s), acc = acc * e^(m - m') + sum_t e^(s - m') v[p]
+ *   out[j] = acc / l
+ *
+ * Vector paths, chosen when the library is compiled (-march=native: the build is keyed by the
+ * CPU, so the compile-time choice is the runtime one):
+ *   - the dot products and the V accumulation run on VL-lane fp32 vectors (GCC vector extensions:
+ *     one zmm with AVX-512, two ymm with AVX2), bf16 rows widened by a shift, when head_dim % VL == 0;
+ *   - with AVX512-BF16 and a bf16 cache, q.k is VDPBF16PS on bf16 pairs. q is the model's bf16
+ *     activation widened to fp32 by the caller, so narrowing it back is exact, and each product of
+ *     two bf16 numbers is exact in fp32: only the summation order differs from the fp32 path;
+ *   - otherwise (e.g. head_dim 8 with AVX-512) scalar loops, which the compiler vectorizes as it can.
+ * Threads: an OpenMP team (the same libgomp that torch loaded, so the same thread pool as torch's
+ * own ops and no second set of spinning threads) splits the items by cost, i.e. keys read.
+ *
+ * Pool layout [num_blocks, block_size, num_kv_heads, head_dim] (kernels/attention_torch.py):
+ * the key at position p lives at row block_table[b][p / block_size] * block_size + p % block_size.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
+#define TILE 32
+#define MAX_HEAD_DIM 256
+#define MAX_HEADS 128 /* query heads served by one work item */
+#define MAX_WIDTH 512 /* K/V elements of one token that one work item reads */
+#define VL 16         /* fp32 lanes of the vector type */
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+/* Bits of parkade_attention_features(): what this build uses. */
+enum { FEATURE_OPENMP = 1, FEATURE_AVX2 = 2, FEATURE_AVX512 = 4, FEATURE_AVX512_BF16 = 8 };
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+
+int parkade_attention_features(void) {
+    int f = 0;
+#ifdef _OPENMP
+    f |= FEATURE_OPENMP;
+#endif
+#ifdef __AVX2__
+    f |= FEATURE_AVX2;
+#endif
+#ifdef __AVX512F__
+    f |= FEATURE_AVX512;
+#endif
+    if (HAVE_DPBF16) f |= FEATURE_AVX512_BF16;
+    return f;
+}
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* VL elements at p (fp32 or bf16) as an fp32 vector; memcpy compiles to one unaligned load. */
+static inline vf vload(const void *p, int dtype) {
+    vf f;
+    if (dtype == DTYPE_BF16) {
+        vh h;
+        memcpy(&h, p, sizeof h);
+        vu u = __builtin_convertvector(h, vu) << 16;
+        memcpy(&f, &u, sizeof f);
+    } else {
+        memcpy(&f, p, sizeof f);
+    }
+    return f;
+}
+
+static inline float vsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
+}
+
+/* exp(x) for x <= 0, to about 2 ulp; branch-free so that loops over it vectorize (libm's expf is a
+ * call per element). Below -87 it returns 0 (the online softmax feeds it -inf on its first tile). */
+static inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_roundf(clamped * 1.44269504088896341f);
+    /* Two-constant ln 2 (Cody-Waite) with explicit fmaf: -fassociative-math must not fold them. */
+    const float r = fmaf(n, 2.12194440e-4f, fmaf(n, -0.693359375f, clamped));
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+typedef struct {
+    const float *q;
+    const void *k_cache, *v_cache;
+    int dtype, elem;
+    const int32_t *block_table;
+    int64_t table_stride;
+    const int32_t *seq_lens, *row_seq;
+    float *out;
+    int num_q_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_heads_per_item;
+    float scale;
+} Problem;
+
+static inline int first_key(const Problem *pr, int seq_len) {
+    return pr->sliding_window > 0 && seq_len > pr->sliding_window ? seq_len - pr->sliding_window : 0;
+}
+
+/* <q, k> over head_dim elements; q fp32, k in the cache dtype. */
+static inline float dot(const Problem *pr, const float *q, const char *k, int vector) {
+    const int D = pr->head_dim;
+    if (vector) {
+        vf acc = {0};
+        for (int d = 0; d < D; d += VL) acc += vload(q + d, DTYPE_F32) * vload(k + (int64_t)d * pr->elem, pr->dtype);
+        return vsum(acc);
+    }
+    float s = 0.0f;
+    if (pr->dtype == DTYPE_BF16) {
+        const uint16_t *kh = (const uint16_t *)k;
+        for (int d = 0; d < D; d++) s += q[d] * bf16_to_f32(kh[d]);
+    } else {
+        const float *kf = (const float *)k;
+        for (int d = 0; d < D; d++) s += q[d] * kf[d];
+    }
+    return s;
+}
+
+#if HAVE_DPBF16
+/* <q, k> with q pre-narrowed to bf16 pairs (exact, see the top comment); head_dim % 32 == 0. */
+static inline float dot_bf16(const uint16_t *q, const uint16_t *k, int D) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
+    return _mm512_reduce_add_ps(acc);
+}
+#endif
+
+/* acc[0..D) += w * v[0..D); v in the cache dtype. */
+static inline void axpy(const Problem *pr, float *acc, float w, const char *v, int vector) {
+    const int D = pr->head_dim;
+    if (vector) {
+        const vf zero = {0}, wv = zero + w;
+        for (int d = 0; d < D; d += VL) {
+            vf a;
+            memcpy(&a, acc + d, sizeof a);
+            a += wv * vload(v + (int64_t)d * pr->elem, pr->dtype);
+            memcpy(acc + d, &a, sizeof a);
+        }
+    } else if (pr->dtype == DTYPE_BF16) {
+        const uint16_t *vh16 = (const uint16_t *)v;
+        for (int d = 0; d < D; d++) acc[d] += w * bf16_to_f32(vh16[d]);
+    } else {
+        const float *vf32 = (const float *)v;
+        for (int d = 0; d < D; d++) acc[d] += w * vf32[d];
+    }
+}
+
+static void run_item(const Problem *pr, int64_t item) {
+    const int D = pr->head_dim, hpi = pr->kv_heads_per_item;
+    const int group = pr->num_q_heads / pr->num_kv_heads;
+    const int heads = hpi * group; /* query heads of this item */
+    const int width = hpi * D;     /* K/V elements of one token, this item */
+    const int items_per_seq = pr->num_kv_heads / hpi;
+    const int vector = D % VL == 0;
+    const int64_t b = item / items_per_seq;
+    const int h0 = (int)(item % items_per_seq) * hpi; /* first KV head */
+    const int seq_len = pr->seq_lens[b];
+    const int first = first_key(pr, seq_len);
+    const float *qb = pr->q + (b * pr->num_q_heads + (int64_t)h0 * group) * D;
+    const int32_t *table = pr->block_table + (pr->row_seq ? pr->row_seq[b] : b) * pr->table_stride;
+    const int64_t row_bytes = (int64_t)pr->num_kv_heads * D * pr->elem;
+    const int64_t head_bytes = (int64_t)D * pr->elem;
+    const char *k_base = (const char *)pr->k_cache + (int64_t)h0 * head_bytes;
+    const char *v_base = (const char *)pr->v_cache + (int64_t)h0 * head_bytes;
+
+    static _Thread_local float acc[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float scores[MAX_HEADS * TILE];
+    float m[MAX_HEADS], l[MAX_HEADS];
+    int64_t rows[TILE]; /* byte offsets of this tile's token rows in the pool */
+#if HAVE_DPBF16
+    static _Thread_local uint16_t qh[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    const int use_dpbf16 = pr->dtype == DTYPE_BF16 && D % 32 == 0;
+    if (use_dpbf16) /* truncation: exact for the bf16 values the caller widened */
+        for (int i = 0; i < heads * D; i++) {
+            uint32_t u;
+            memcpy(&u, qb + i, sizeof u);
+            qh[i] = (uint16_t)(u >> 16);
+        }
+#endif
+    for (int j = 0; j < heads; j++) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)heads * D);
+
+    for (int start = first; start < seq_len; start += TILE) {
+        const int n = seq_len - start < TILE ? seq_len - start : TILE;
+        for (int t = 0; t < n; t++) {
+            const int p = start + t;
+            rows[t] = ((int64_t)table[p / pr->block_size] * pr->block_size + p % pr->block_size) * row_bytes;
+        }
+        /* The rows are scattered over blocks the hardware prefetcher cannot guess: ask for the
+         * next tile's K rows and this tile's V rows while this tile's keys are computed. */
+        for (int p = start + TILE; p < start + 2 * TILE && p < seq_len; p++) {
+            const int64_t row = (int64_t)table[p / pr->block_size] * pr->block_size + p % pr->block_size;
+            const char *k = k_base + row * row_bytes;
+            for (int64_t byte = 0; byte < width * pr->elem; byte += 64) __builtin_prefetch(k + byte);
+        }
+        for (int t = 0; t < n; t++)
+            for (int64_t byte = 0; byte < width * pr->elem; byte += 64)
+                __builtin_prefetch(v_base + rows[t] + byte);
+
+        for (int j = 0; j < heads; j++) {
+            const int64_t kv_off = (int64_t)(j / group) * head_bytes;
+            const float *qj = qb + (int64_t)j * D;
+            for (int t = 0; t < n; t++) {
+                const char *k = k_base + rows[t] + kv_off;
+#if HAVE_DPBF16
+                if (use_dpbf16) {
+                    scores[j * TILE + t] = dot_bf16(qh + (int64_t)j * D, (const uint16_t *)k, D) * pr->scale;
+                    continue;
+                }
+#endif
+                scores[j * TILE + t] = dot(pr, qj, k, vector) * pr->scale;
+            }
+        }
+        for (int j = 0; j < heads; j++) {
+            float *sj = scores + j * TILE;
+            float tile_max = sj[0];
+            for (int t = 1; t < n; t++) tile_max = sj[t] > tile_max ? sj[t] : tile_max;
+            const float new_m = tile_max > m[j] ? tile_max : m[j];
+            const float correction = exp_nonpositive(m[j] - new_m); /* 0 on the first tile */
+            float sum = 0.0f;
+            for (int t = 0; t < n; t++) {
+                sj[t] = exp_nonpositive(sj[t] - new_m);
+                sum += sj[t];
+            }
+            l[j] = l[j] * correction + sum;
+            m[j] = new_m;
+            float *aj = acc + (int64_t)j * D;
+            for (int d = 0; d < D; d++) aj[d] *= correction;
+        }
+        for (int t = 0; t < n; t++) {
+            const char *row = v_base + rows[t];
+            for (int j = 0; j < heads; j++)
+                axpy(pr, acc + (int64_t)j * D, scores[j * TILE + t], row + (int64_t)(j / group) * head_bytes, vector);
+        }
+    }
+    for (int j = 0; j < heads; j++) {
+        float *dst = pr->out + (b * pr->num_q_heads + (int64_t)h0 * group + j) * D;
+        const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+        for (int d = 0; d < D; d++) dst[d] = acc[(int64_t)j * D + d] * inv;
+    }
+}
+
+/* Keys an item reads: its cost for the split between threads. */
+static inline int64_t item_cost(const Problem *pr, int64_t item) {
+    const int64_t b = item / (pr->num_kv_heads / pr->kv_heads_per_item);
+    const int seq_len = pr->seq_lens[b];
+    return (int64_t)(seq_len - first_key(pr, seq_len)) * pr->kv_heads_per_item + 1;
+}
+
+/* Items [begin, end) split into `parts` contiguous ranges of about equal cost; range `part`. */
+static void cost_range(const Problem *pr, int64_t begin, int64_t end, int parts, int part, int64_t *lo, int64_t *hi) {
+    int64_t total = 0;
+    for (int64_t i = begin; i < end; i++) total += item_cost(pr, i);
+    const int64_t from = total * part / parts, to = total * (part + 1) / parts;
+    int64_t seen = 0;
+    *lo = *hi = end;
+    int lo_set = 0;
+    for (int64_t i = begin; i < end; i++) {
+        /* An item belongs to the range its cost's midpoint falls in. */
+        const int64_t mid = seen + item_cost(pr, i) / 2;
+        if (!lo_set && mid >= from) {
+            *lo = i;
+            lo_set = 1;
+        }
+        if (mid >= to && part < parts - 1) {
+            *hi = i;
+            break;
+        }
+        seen += item_cost(pr, i);
+    }
+    if (*hi < *lo) *hi = *lo;
+}
+
+/* Returns 0, or -1 when the shapes exceed the fixed buffers (checked in Python first).
+ * num_threads > 1: split [item_begin, item_end) over an OpenMP team of that many (when built with
+ * OpenMP; the caller splits otherwise). */
+int paged_attention_rows(
+    const float *q,              /* [num_rows, num_q_heads, head_dim] */
+    const void *k_cache,         /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    const void *v_cache,
+    int dtype,
+    const int32_t *block_table,  /* [num_seqs, table_stride] */
+    int64_t table_stride,
+    const int32_t *seq_lens,     /* [num_rows]: keys each row sees (its position + 1) */
+    const int32_t *row_seq,      /* [num_rows]: each row's block-table row; NULL: row b uses row b */
+    float *out,                  /* [num_rows, num_q_heads, head_dim] */
+    int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+    float scale, int sliding_window, /* 0: none */
+    int kv_heads_per_item,       /* divides num_kv_heads */
+    int64_t item_begin, int64_t item_end, int num_threads) {
+    const int group = num_q_heads / num_kv_heads;
+    if (head_dim > MAX_HEAD_DIM || kv_heads_per_item * group > MAX_HEADS ||
+        kv_heads_per_item * head_dim > MAX_WIDTH || num_kv_heads % kv_heads_per_item)
+        return -1;
+    const Problem pr = {
+        q, k_cache, v_cache, dtype, dtype == DTYPE_BF16 ? 2 : 4, block_table, table_stride, seq_lens, row_seq, out,
+        num_q_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_heads_per_item, scale,
+    };
+#ifdef _OPENMP
+    if (num_threads > 1) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            int64_t lo, hi;
+            cost_range(&pr, item_begin, item_end, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
+            for (int64_t item = lo; item < hi; item++) run_item(&pr, item);
+        }
+        return 0;
+    }
+#endif
+    (void)num_threads;
+    for (int64_t item = item_begin; item < item_end; item++) run_item(&pr, item);
+    return 0;
+}

@@ -1,0 +1,163 @@
+"""Online serving side by side: `parkade up` against `vllm serve`, both measured by vLLM's own client.
+
+    python loadtest/online_vs_vllm.py --model /tmp/anchors/models/tiny-llama [--anchors DIR]
+        [--vllm-python /tmp/anchors/vllm-venv/bin/python] [--num-prompts 64] [--input-len 256]
+        [--output-len 128] [--request-rate inf] [--skip vllm|parkade]
+
+One server at a time on this machine: `vllm serve` (every CPU bound, a 2 GiB KV cache), then
+`parkade up` (Kafka pipeline and OpenAI gateway, the embedded broker, a 2 GiB KV budget). Each gets
+a warm-up round, then the timed round of `bench_serve.py` (the anchors' wrapper of
+`vllm bench serve`): random prompts of `--input-len` tokens, `--output-len` tokens out, EOS ignored,
+all sent at once by default. Prints one JSON document: each server's output tok/s, TTFT and TPOT
+(mean, median, p99), failed requests, its start-up time, and Parkade over vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from parkade.services.executor.cpu_paths import cpu_description
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_ANCHORS = REPO.parent / "shared" / "anchors"
+KV_BYTES = 2 * 2**30
+METRICS = [
+    "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+    "p99_tpot_ms", "completed", "failed", "duration",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
+    """Poll `url` until it answers 200; -> seconds it took. Raises if the server exits or times out."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return time.monotonic() - start
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
+
+
+def bench(args: argparse.Namespace, port: int, out_dir: Path, name: str, num_prompts: int) -> dict:
+    """One round of vLLM's client against the server on `port`; -> its result JSON."""
+    filename = f"{name}.json"
+    command = [
+        args.vllm_python, str(args.anchors / "bench_serve.py"), "--backend", "openai",
+        "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
+        "--model", args.model.name, "--tokenizer", str(args.model), "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--num-prompts", str(num_prompts), "--request-rate", args.request_rate, "--ignore-eos",
+        "--seed", "1", "--save-result", "--result-dir", str(out_dir), "--result-filename", filename,
+    ]  # fmt: skip
+    print("[online_vs_vllm] " + " ".join(command), file=sys.stderr, flush=True)
+    subprocess.run(command, check=True, stdout=sys.stderr)
+    return json.loads((out_dir / filename).read_text())
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGINT (both servers shut down cleanly on it), then SIGKILL the group after 60 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def serve_and_bench(args: argparse.Namespace, name: str, command: list[str], env: dict, port: int, tmp: Path):
+    log = (tmp / f"{name}.log").open("w")
+    print(f"[online_vs_vllm] starting {name}: " + " ".join(command), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        ready_s = wait_ready(f"http://127.0.0.1:{port}/v1/models", proc, args.ready_timeout)
+        bench(args, port, tmp, f"{name}-warmup", min(16, args.num_prompts))
+        result = bench(args, port, tmp, name, args.num_prompts)
+    finally:
+        stop(proc)
+        log.close()
+    return {"ready_s": round(ready_s, 1), **{key: result.get(key) for key in METRICS}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--anchors", type=Path, default=DEFAULT_ANCHORS)
+    parser.add_argument("--vllm-python", default="/tmp/anchors/vllm-venv/bin/python")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--request-rate", default="inf")
+    parser.add_argument("--ready-timeout", type=float, default=900.0)
+    parser.add_argument("--skip", default="", help="vllm or parkade")
+    args = parser.parse_args()
+    args.model, args.anchors = args.model.resolve(), args.anchors.resolve()
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        if "vllm" not in skip:
+            port = free_port()
+            cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))  # bind every CPU, as the anchor
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_BYTES // 2**30)}
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+            command = [
+                args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
+                "--port", str(port), "--served-model-name", args.model.name,
+            ]  # fmt: skip
+            results["vllm"] = serve_and_bench(args, "vllm", command, env, port, tmp)
+        if "parkade" not in skip:
+            port = free_port()
+            env = {**os.environ, "PARKADE_HOME": os.environ.get("PARKADE_HOME", str(tmp / "parkade-home"))}
+            command = [
+                str(Path(sys.executable).with_name("parkade")), "up", "--model", str(args.model),
+                "--http-port", str(port), "--kv-cache-memory-bytes", str(KV_BYTES),
+            ]  # fmt: skip
+            results["parkade"] = serve_and_bench(args, "parkade", command, env, port, tmp)
+    ratios = {}
+    if "vllm" in results and "parkade" in results:
+        p, v = results["parkade"], results["vllm"]
+        ratios = {
+            "output_throughput": round(p["output_throughput"] / v["output_throughput"], 2),
+            "mean_ttft": round(p["mean_ttft_ms"] / v["mean_ttft_ms"], 2),
+            "mean_tpot": round(p["mean_tpot_ms"] / v["mean_tpot_ms"], 2),
+        }
+    summary = {
+        "benchmark": "online_vs_vllm",
+        "model": args.model.name,
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "request_rate": args.request_rate,
+        },
+        "cpu": cpu_description(),
+        "parkade_over_vllm": ratios,  # throughput: higher is better; TTFT and TPOT: lower is better
+        "results": results,
+    }
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""`CompiledForward`: the decoder's step (layers and logits) compiled by torch.compile on a CPU.
+
+Eager, every RMSNorm, RoPE, SiLU gate, residual add and cast is its own op with its own pass over
+memory and its own Python call. Inductor fuses them into a few C++ loops. With `freezing` the
+weights become constants, so each linear is a oneDNN matmul on weights prepacked once into its
+blocked layout (AMX tiles where the CPU has them, AVX512-BF16 or AVX2 otherwise: oneDNN picks at
+run time), and linears that share an input (q/k/v, gate/up) are concatenated into one. Attention
+stays a single opaque op (`kernels/attention_op.py`).
+
+Shapes: one graph serves every batch. The batch dimensions are dynamic, and each call is padded so
+that none of them is ever 0 or 1 (dynamo specializes those): one dummy request of one token is
+appended (it writes nothing, slot -1, and reads block 0), the block table gets at least two
+columns, and the logits rows at least two. Duck sizing is off, so that two dimensions that happen
+to be equal on the first call are not assumed equal forever. So compiling happens once, in
+`warmup()`, before any request; a later recompile is counted (`recompiles`) and logged.
+
+Cache: inductor's FX graph cache lives in `$PARKADE_HOME/inductor` (unless TORCHINDUCTOR_CACHE_DIR
+is set); a restart still traces with dynamo (seconds) but skips code generation and C++ builds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch._dynamo
+import torch.fx.experimental._config as fx_config
+
+from parkade.kernels.metadata import AttentionMetadata
+from parkade.services.common.environment import parkade_home, use_inductor_cache_dir
+from parkade.services.executor.model import DecoderLM, KVCache
+
+__all__ = ["INDUCTOR_OPTIONS", "CompiledForward"]
+
+log = logging.getLogger(__name__)
+
+INDUCTOR_OPTIONS = {
+    "freezing": True,  # weights as constants: prepacked oneDNN matmuls, folded casts
+    "cpp.enable_concat_linear": True,  # q/k/v and gate/up: one matmul each
+    "size_asserts": False,
+    "nan_asserts": False,
+}
+
+
+def _configure_inductor() -> None:
+    """Set INDUCTOR_OPTIONS in inductor's global config. NOTE: global because `freezing` is read
+    there when a graph compiles; torch.compile(options=...) does not reach it (measured: plain
+    aten::mm on unpacked weights instead of oneDNN's packed linear)."""
+    import torch._inductor.config as inductor_config
+
+    for name, value in INDUCTOR_OPTIONS.items():
+        *parents, leaf = name.split(".")
+        target = inductor_config
+        for parent in parents:
+            target = getattr(target, parent)
+        setattr(target, leaf, value)
+
+
+def _unique_graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+class _Step(torch.nn.Module):
+    """The compiled region. NOTE: an nn.Module (not a bound method), so that dynamo installs the
+    weights as the graph's own attributes, which `freezing` needs to treat them as constants."""
+
+    def __init__(self, model: DecoderLM, kv_caches: list[KVCache]) -> None:
+        super().__init__()
+        self.model = model
+        self.kv_caches = kv_caches
+
+    def forward(
+        self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+        cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
+        logits_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        md = AttentionMetadata(slot_mapping, cu_seqlens_q, seqused_k, block_table, 0, 0)
+        hidden = self.model.run_layers(input_ids, cos, sin, self.kv_caches, md)
+        return hidden, self.model.compute_logits(hidden[logits_indices])
+
+
+class CompiledForward:
+    """Call it as `DecoderLM.forward` plus the logits rows: -> (hidden, logits of those rows)."""
+
+    def __init__(self, model: DecoderLM, kv_caches: list[KVCache]) -> None:
+        use_inductor_cache_dir(parkade_home() / "inductor")
+        # NOTE: read when dynamo builds its shape environment, i.e. when it compiles.
+        fx_config.use_duck_shape = False
+        model.use_attention_op()
+        self.model = model
+        self.kv_caches = kv_caches
+        # Dynamic only where mark_dynamic says (the batch dimensions); everything else is static.
+        _configure_inductor()
+        self._compiled = torch.compile(_Step(model, kv_caches).eval(), fullgraph=True)
+        self.compile_s: float | None = None
+        self._warmup_graphs: int | None = None  # dynamo's graph count once warm
+        self._seen_graphs = 0
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        md: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens, num_seqs = input_ids.shape[0], md.seqused_k.shape[0]
+        cos, sin = self.model.rotary(positions, md.max_seqlen_k)
+        one = torch.ones(1, dtype=md.seqused_k.dtype)
+        table = md.block_table.new_zeros(num_seqs + 1, max(2, md.block_table.shape[1]))
+        table[:num_seqs, : md.block_table.shape[1]] = md.block_table
+        last = torch.tensor([num_tokens, num_tokens], dtype=logits_indices.dtype)
+        inputs = (
+            torch.cat([input_ids, input_ids.new_zeros(1)]),
+            torch.cat([cos, cos[:1]]),  # (a step has at least one token)
+            torch.cat([sin, sin[:1]]),
+            torch.cat([md.slot_mapping, md.slot_mapping.new_full((1,), -1)]),
+            torch.cat([md.cu_seqlens_q, md.cu_seqlens_q[-1:] + 1]),
+            torch.cat([md.seqused_k, one]),
+            table,
+            torch.cat([logits_indices, last]),
+        )
+        for tensor in inputs:
+            torch._dynamo.mark_dynamic(tensor, 0)
+        torch._dynamo.mark_dynamic(table, 1)
+        hidden, logits = self._compiled(*inputs)
+        if self._warmup_graphs is not None and _unique_graphs() > self._seen_graphs:
+            self._seen_graphs = _unique_graphs()
+            log.warning("the compiled forward compiled again, for a batch of %d tokens", num_tokens)
+        return hidden[:num_tokens], logits[: logits_indices.shape[0]]
+
+    @property
+    def recompiles(self) -> int:
+        """Graphs compiled since `warmup()` (0 when every batch fits the one graph)."""
+        return 0 if self._warmup_graphs is None else _unique_graphs() - self._warmup_graphs
+
+    @torch.inference_mode()
+    def warmup(self) -> float:
+        """Compile now, on a dummy batch that writes nothing; -> seconds it took."""
+        start = time.perf_counter()
+        num_tokens = 3
+        md = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),
+            cu_seqlens_q=torch.tensor([0, 2, 3], dtype=torch.int32),
+            seqused_k=torch.tensor([2, 1], dtype=torch.int32),
+            block_table=torch.zeros(2, 3, dtype=torch.int32),
+            max_seqlen_q=2,
+            max_seqlen_k=2,
+            query_lens=(2, 1),
+            seq_lens=(2, 1),
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64)
+        self(ids, torch.tensor([0, 1, 0]), md, torch.tensor([1, 2]))
+        self.compile_s = time.perf_counter() - start
+        self._warmup_graphs = self._seen_graphs = _unique_graphs()
+        return self.compile_s
