@@ -98,7 +98,7 @@ class Executor:
         )  # fmt: skip
 
     def compile_model(self) -> float:
-        """Compile the forward now (see `compiled.py`); -> seconds it took, 0 when cached in-process."""
+        """Compile the forward now (see `compiled.py`); -> seconds it took."""
         if self.compiled is None:
             raise ValueError("this executor was built without compile_model, or cannot compile here")
         return self.compiled.warmup()
