@@ -40,6 +40,7 @@ import torch
 
 from parkade.kernels import attention_torch
 from parkade.kernels.attention_torch import write_kv_cache
+from parkade.kernels.metadata import host_lengths
 
 __all__ = ["available", "build", "decode_attention", "features", "paged_attention_varlen", "write_kv_cache"]
 
@@ -322,8 +323,8 @@ def paged_attention_varlen(
             max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, block_table=block_table,
             sliding_window=sliding_window, query_lens=query_lens, seq_lens=seq_lens,
         )  # fmt: skip
-    q_lens = np.asarray(query_lens or (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), dtype=np.int64)
-    s_lens = np.asarray(seq_lens or seqused_k.tolist(), dtype=np.int64)
+    query_lens, seq_lens = host_lengths(cu_seqlens_q, seqused_k, query_lens, seq_lens)
+    q_lens, s_lens = np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
     if q.shape[0] != q_lens.sum():
         raise ValueError(f"q has {q.shape[0]} rows but the query lengths add up to {int(q_lens.sum())}")
     if len(q_lens) == q.shape[0]:  # a pure decode step: rows and requests line up

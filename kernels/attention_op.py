@@ -18,6 +18,8 @@ from types import ModuleType
 
 import torch
 
+from parkade.kernels.metadata import host_lengths
+
 __all__ = ["paged_attention"]
 
 
@@ -43,8 +45,7 @@ def paged_attention(
 ) -> torch.Tensor:
     kernels = _backend(backend)
     kernels.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
-    query_lens = tuple((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist())
-    seq_lens = tuple(seqused_k.tolist())
+    query_lens, seq_lens = host_lengths(cu_seqlens_q, seqused_k)
     return kernels.paged_attention_varlen(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max(query_lens, default=0),
         seqused_k=seqused_k, max_seqlen_k=max(seq_lens, default=0), softmax_scale=softmax_scale,

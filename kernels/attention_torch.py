@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from parkade.kernels.metadata import host_lengths
+
 __all__ = ["decode_batch", "paged_attention_varlen", "write_kv_cache"]
 
 
@@ -65,10 +67,7 @@ def paged_attention_varlen(
     Returns `[num_tokens, num_q_heads, head_dim]` in q's dtype.
     """
     del max_seqlen_q, max_seqlen_k
-    if not query_lens:
-        query_lens = tuple((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist())
-    if not seq_lens:
-        seq_lens = tuple(seqused_k.tolist())
+    query_lens, seq_lens = host_lengths(cu_seqlens_q, seqused_k, query_lens, seq_lens)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")

@@ -33,3 +33,18 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return int(self.seqused_k.shape[0])
+
+
+def host_lengths(
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    query_lens: tuple[int, ...] = (),
+    seq_lens: tuple[int, ...] = (),
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(query_lens, seq_lens) on the host: the ones given, else read from the two tensors (a device
+    sync on a GPU)."""
+    if not query_lens:
+        query_lens = tuple((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist())
+    if not seq_lens:
+        seq_lens = tuple(seqused_k.tolist())
+    return query_lens, seq_lens
