@@ -179,6 +179,15 @@ class RequestStream:
     def live_engine_request_ids(self) -> tuple[str, ...]:
         return tuple(s.engine_request_id for s in self.samples if not s.finished)
 
+    def hole_before(self, message: GeneratedTokens) -> int | None:
+        """The index the sample's next tokens should start at, where `message`'s start past it:
+        events between were lost (never legitimate: every hop delivers a sample's events in
+        order and a hand-over resumes at the next index). None: no hole."""
+        sample = self._by_engine_id.get(message.request_id)
+        if sample is None or sample.finished or not message.token_ids or message.index <= sample.next_index:
+            return None
+        return sample.next_index
+
     def update(self, message: GeneratedTokens) -> StreamUpdate | None:
         """Apply the scheduler's next message about one sample; None when it changes nothing (a
         redelivery, or news of a request that ended)."""

@@ -557,6 +557,15 @@ class TokenizerHandler(ReplicaRouting, Service):
             return []
         if not self.routes.accepts(engine_id, replica, message.index):
             return []  # from a replica that no longer runs it (handed over)
+        hole = open_.stream.hole_before(message)
+        if hole is not None:
+            # Shown as it came, the stream would silently lack tokens: the request fails instead.
+            log.error(
+                "request %s: events %d to %d never came (from replica %s); it ends with an error",
+                engine_id, hole, message.index - 1, replica, extra={"request_id": request_id},
+            )  # fmt: skip
+            error = f"tokens {hole} to {message.index - 1} of this request were lost before the tokenizer"
+            return self._end_request(request_id, error, ErrorKind.INTERNAL)
         route = self.routes.get(engine_id)
         if route is not None and not route.started and replica is not None:
             route.started = True

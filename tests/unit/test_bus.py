@@ -184,3 +184,64 @@ def test_a_send_to_a_reply_topic_that_is_gone_is_refused_not_fatal(monkeypatch):
             await bus.queue_many([OutgoingRecord("p.tokens", b"v")])
 
     asyncio.run(main())
+
+
+def test_a_hole_in_a_partitions_offsets_is_fetched_again_never_skipped(caplog):
+    """Tansu can answer a fetch with a later batch and not the one before it (two producers on
+    one partition): the consumer refuses what lies past the hole, fetches again from it, and
+    hands out every record once, in order. A hole that lasts `GAP_WAIT_S` is passed, loudly."""
+    from collections import namedtuple
+
+    from aiokafka import TopicPartition
+
+    from parkade.services.bus import kafka
+
+    Message = namedtuple("Message", "topic partition offset key value headers timestamp")
+    tp = TopicPartition("p.generated", 0)
+
+    def batch(*offsets):
+        return {tp: [Message(tp.topic, 0, o, None, b"%d" % o, [], 0) for o in offsets]}
+
+    class Fetches:
+        def __init__(self, answers):
+            self.answers, self.seeks = list(answers), []
+
+        async def getmany(self, timeout_ms):
+            return self.answers.pop(0) if self.answers else {}
+
+        def seek(self, partition, offset):
+            self.seeks.append((partition, offset))
+
+    now = [0.0]
+
+    async def read(fetches, start=0):
+        consumer = kafka.KafkaConsumer(fetches, None, {tp: start}, clock=lambda: now[0])
+        got = []
+        for _ in range(len(fetches.answers)):
+            got += [r.offset for r in await consumer.getmany()]
+        return got
+
+    # 0-1, then 5-6 with 2-4 missing (refused, and fetched again from 2), then 2-6: each once.
+    fetches = Fetches([batch(0, 1), batch(5, 6), batch(2, 3, 4, 5, 6), batch(7)])
+    assert asyncio.run(read(fetches)) == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert fetches.seeks == [(tp, 2)]
+    # A hole inside one fetch's records: those before it go out, the rest come again.
+    fetches = Fetches([batch(3, 4, 8, 9), batch(5, 6, 7, 8, 9)])
+    assert asyncio.run(read(fetches, start=3)) == [3, 4, 5, 6, 7, 8, 9]
+    assert fetches.seeks == [(tp, 5)]
+
+    # A hole that never fills (transaction markers of another writer, compaction): passed once
+    # it lasted GAP_WAIT_S, with an error in the log.
+    async def lasting():
+        fetches = Fetches([])
+        consumer = kafka.KafkaConsumer(fetches, None, {tp: 0}, clock=lambda: now[0])
+        got = []
+        for t in (0.0, 1.0, kafka.GAP_WAIT_S + 0.5):
+            now[0] = t
+            fetches.answers.append(batch(4, 5))
+            got.append([r.offset for r in await consumer.getmany()])
+        return got, fetches.seeks
+
+    got, seeks = asyncio.run(lasting())
+    assert got == [[], [], [4, 5]] and seeks == [(tp, 0), (tp, 0)]
+    assert "offsets 0 to 3 never came" in caplog.text

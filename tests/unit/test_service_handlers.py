@@ -113,6 +113,35 @@ def test_a_steps_batch_of_events_becomes_one_token_event_each_and_a_redelivery_n
     assert handler.on_generated(step) == []  # redelivered
 
 
+def test_events_that_leave_a_hole_in_a_stream_end_it_with_an_error_never_shown_as_they_came(
+    stories_frontend,
+):
+    """Index 0 then 2: index 1 was lost between the scheduler and here. The client would get a
+    stream one token short with nothing said: the request ends with an error event naming the
+    lost indices, and its sample is aborted at its replica; the other request goes on."""
+    handler = TokenizerHandler(stories_frontend)
+    for request_id in ("p", "q"):
+        handler.on_request(GenerateRequest(request_id=request_id, prompt="Once upon"))
+    handler.on_generated(
+        GeneratedBatch(events=tuple(GeneratedTokens(request_id=r, index=0, token_ids=(5,)) for r in "pq"))
+    )
+    step = GeneratedBatch(
+        events=(
+            GeneratedTokens(request_id="p", index=2, token_ids=(6,)),
+            GeneratedTokens(request_id="q", index=1, token_ids=(6,)),
+        )
+    )
+    error, finish, token = handler.on_generated(step)
+    assert error.topic == topics.TOKENS and error.message.request_id == "p"
+    assert error.message.finish_reason == "error" and error.message.error_kind == ErrorKind.INTERNAL
+    assert error.message.error == "tokens 1 to 1 of this request were lost before the tokenizer"
+    assert error.message.index == 1
+    assert isinstance(finish.message, FinishRequest) and finish.message.request_id == "p"
+    assert finish.message.reason == FinishReason.ABORT
+    assert (token.message.request_id, token.message.index, token.message.token_ids) == ("q", 1, (6,))
+    assert "p" not in handler.streams and "q" in handler.streams
+
+
 def test_a_failure_on_one_event_of_a_batch_ends_that_request_only(stories_frontend, monkeypatch):
     handler = TokenizerHandler(stories_frontend)
     for request_id in ("ok", "bad"):
