@@ -18,8 +18,9 @@ handed over to another with the tokens they have (`check_replicas`). With severa
 each handles the request ids of its shard (`shard_of`) and reads past the others'.
 
 Idempotent under redelivery: a request id is tokenized once, and token messages whose index is
-behind the stream's are dropped. A request that cannot be served gets one TokenEvent with
-finish_reason "error".
+behind the stream's are dropped; one whose index is ahead of it (events lost on the way: never
+legitimate, see `KafkaConsumer`) ends the request with an error event rather than a stream short
+of tokens. A request that cannot be served gets one TokenEvent with finish_reason "error".
 
 A restart loses nothing (see the README's "What is durable where"): the group's commits never
 pass the request record of the oldest open stream (`low_watermarks`), nor the generated topic
