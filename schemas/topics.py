@@ -42,6 +42,9 @@ TOKENS = "tokens"  # tokenizer -> clients, keyed by request_id
 DEAD_LETTER = "dead-letter"  # records that could not be decoded
 INSTANCES = "instances"  # every service, every second: it is there (one instance each)
 KV_EVENTS = "kv-events"  # each replica -> routers: status and prefix-cache blocks (compacted)
+# Topics an operator may compact (their records are keyed to be): their offsets may have holes.
+# Every other topic's offsets are dense (nothing transactional), which consumers check.
+COMPACTED = (KV_EVENTS,)
 # A replica's own topics: replica "0" uses the plain names, replica R `replica-R.<name>` (see
 # replica_topic). The other topics are shared by every replica.
 REPLICA_TOPICS = ("tokenized", "step-plans", "step-results")

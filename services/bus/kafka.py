@@ -36,6 +36,7 @@ from aiokafka.errors import (
     for_code,
 )
 
+from parkade.schemas.topics import COMPACTED, base_topic
 from parkade.services.bus.base import CommitError, Headers, Outcome, OutgoingRecord, Record, RecordRejected
 from parkade.services.bus.security import client_settings
 
@@ -114,9 +115,11 @@ class KafkaConsumer:
     skipped record is a lost token (two schedulers share the generated topic, two tokenizers a
     reply topic). So each partition's next offset is tracked: a record past it is refused, and
     the partition is fetched again from that offset, where the missing batch is found. Our
-    topics are neither compacted nor transactional, so offsets are dense; a hole that is still
-    there after `GAP_WAIT_S` (another writer's transaction markers, compaction on a broker we
-    do not control) is passed, with an error in the log.
+    topics are not transactional and, but for `COMPACTED`, not compacted: their offsets
+    are dense. A hole that is still there after `GAP_WAIT_S` (another writer's transaction
+    markers) is passed, with an error in the log. A compacted topic is not checked: its holes
+    are compaction's, and a kv-events record missed costs a routing guess until the next
+    snapshot, never a token.
     """
 
     def __init__(
@@ -132,6 +135,10 @@ class KafkaConsumer:
         self._gaps: dict[TopicPartition, tuple[int, float]] = {}  # a hole: (its start, first seen)
         self._clock = clock
 
+    @staticmethod
+    def _dense(tp: TopicPartition) -> bool:
+        return base_topic(tp.topic) not in COMPACTED
+
     async def getmany(self, timeout_ms: int = 100) -> list[Record]:
         batches = await self._consumer.getmany(timeout_ms=timeout_ms)
         out: list[Record] = []
@@ -140,7 +147,7 @@ class KafkaConsumer:
                 expected = self._next.get(tp, m.offset)
                 if m.offset < expected:
                     continue  # fetched again after a seek back: handed out already
-                if m.offset > expected and not self._gap_passed(tp, expected, m.offset):
+                if m.offset > expected and self._dense(tp) and not self._gap_passed(tp, expected, m.offset):
                     self._consumer.seek(tp, expected)  # the rest of this batch comes again
                     break
                 self._next[tp] = m.offset + 1

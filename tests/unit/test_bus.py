@@ -245,3 +245,9 @@ def test_a_hole_in_a_partitions_offsets_is_fetched_again_never_skipped(caplog):
     got, seeks = asyncio.run(lasting())
     assert got == [[], [], [4, 5]] and seeks == [(tp, 0), (tp, 0)]
     assert "offsets 0 to 3 never came" in caplog.text
+
+    # A topic an operator may compact (kv-events): its holes are compaction's, read past at once.
+    compacted = TopicPartition("p.kv-events", 0)
+    fetches = Fetches([{compacted: [Message(compacted.topic, 0, o, None, b"", [], 0) for o in (0, 7, 9)]}])
+    consumer = kafka.KafkaConsumer(fetches, None, {compacted: 0})
+    assert [r.offset for r in asyncio.run(consumer.getmany())] == [0, 7, 9] and fetches.seeks == []
