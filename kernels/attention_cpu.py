@@ -118,7 +118,7 @@ def _build_library(compiler: str, version: str, flags: tuple[str, ...]) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built the CPU decode-attention kernel: %s", target)
+    log.info("built the CPU attention kernel: %s", target)
     return target
 
 

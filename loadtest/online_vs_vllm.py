@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from parkade.services.executor.cpu_paths import cpu_description
+from parkade.up import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ANCHORS = REPO.parent / "shared" / "anchors"
@@ -35,12 +35,6 @@ METRICS = [
     "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
     "p99_tpot_ms", "completed", "failed", "duration",
 ]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:

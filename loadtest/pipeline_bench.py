@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -51,7 +50,7 @@ from parkade.schemas import StepPlan, StepResult, topics
 from parkade.services.bus.kafka import KafkaBus, wait_for_broker
 from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor.kv_pool import bytes_per_block
-from parkade.up import Child
+from parkade.up import Child, free_port
 
 STORIES = DEFAULT_MODEL  # the trained stories260K that ships with Parkade
 OPENINGS = [
@@ -498,12 +497,6 @@ async def stop_all(children: list[Child]) -> dict[str, int]:
     for broker in (c for c in children if c.name == "broker"):
         await broker.stop()
     return exit_codes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- report -------------------------------------------------------------------------------------

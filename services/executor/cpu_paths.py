@@ -61,7 +61,7 @@ def _gemm_path(executor: Executor, isa: list[str]) -> str:
 def executor_paths(executor: Executor) -> dict[str, Any]:
     """The paths a CPU executor takes: GEMMs, attention kernel, compiled or eager."""
     cpu = cpu_description()
-    backend = executor.attention_backend.__name__.rsplit(".", 1)[-1]
+    backend = executor.attention_backend_name
     paths: dict[str, Any] = {
         "cpu": cpu["model"],
         "isa": cpu["isa"],

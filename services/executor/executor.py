@@ -91,11 +91,15 @@ class Executor:
     def num_requests(self) -> int:
         return len(self.batch)
 
+    @property
+    def attention_backend_name(self) -> str:
+        """The attention backend's module name without its package, e.g. `attention_cpu`."""
+        return self.attention_backend.__name__.rsplit(".", 1)[-1]
+
     def compile_supported(self) -> bool:
         """torch.compile serves CPUs, with the backends whose kernels run there natively."""
-        return self.device.type == "cpu" and self.attention_backend.__name__.rsplit(".", 1)[-1] in (
-            "attention_cpu", "attention_torch",
-        )  # fmt: skip
+        native = ("attention_cpu", "attention_torch")
+        return self.device.type == "cpu" and self.attention_backend_name in native
 
     def compile_model(self) -> float:
         """Compile the forward now (see `compiled.py`); -> seconds it took."""
