@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 from stack import START_TIMEOUT_S, Up
@@ -42,39 +43,63 @@ def _seeded(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.8, seed=100 + i, max_tokens=160, ignore_eos=True)
 
 
-async def _routes(bootstrap: str) -> list[RequestRouted]:
-    """The tokenizer's routing journal, as far as it is written."""
-    bus = KafkaBus(bootstrap, client_id="test-routes")
-    name = topics.topic_name(topics.REQUESTS)
-    consumer = await bus.consumer([name], None, start={name: 0})
-    decoder = topics.TopicDecoder(topics.REQUESTS)
-    routes = []
-    try:
-        for _ in range(10):
-            for record in await consumer.getmany(timeout_ms=200):
+class Journal:
+    """The tokenizers' routing journal (`RequestRouted` on the requests topic), read from its
+    start by one consumer that stays open. `until` reads on until a condition holds: a read
+    that comes back empty is not "all of it" (the broker's reads can lag its writes)."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.bus = KafkaBus(bootstrap, client_id="test-routes")
+        self.routes: list[RequestRouted] = []
+        self.consumer = None
+
+    async def __aenter__(self) -> Journal:
+        name = topics.topic_name(topics.REQUESTS)
+        self.consumer = await self.bus.consumer([name], None, start={name: 0})
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.consumer.stop()
+        await self.bus.close()
+
+    def of(self, ids: list[str]) -> list[RequestRouted]:
+        return [r for r in self.routes if r.request_id in ids]
+
+    async def until(self, what: str, holds: Callable[[], bool], timeout_s: float = 30.0) -> None:
+        decoder = topics.TopicDecoder(topics.REQUESTS)
+        deadline = time.monotonic() + timeout_s
+        while not holds():
+            assert time.monotonic() < deadline, (f"not within {timeout_s:g} s: {what}", self.routes)
+            for record in await self.consumer.getmany(timeout_ms=200):
                 message = decoder.decode(record.value, record.header(topics.CONTENT_TYPE))
                 if isinstance(message, RequestRouted):
-                    routes.append(message)
-    finally:
-        await consumer.stop()
-        await bus.close()
-    return routes
+                    self.routes.append(message)
 
 
-async def _round(client: Client, disturb) -> list[list]:
-    """Every prompt at once; `disturb()` once each stream has 30 tokens; -> each stream's events."""
+def _running_on(routes: list[RequestRouted]) -> dict[str, str]:
+    """Each sample's replica by its latest route ("" while handed over and waiting)."""
+    return {r.request_id: r.replica for r in routes}
+
+
+async def _round(client: Client, tag: str, disturb) -> tuple[list[str], list[list]]:
+    """Every prompt at once, as requests `tag`-i; `disturb(ids)` once each stream has 30
+    tokens; -> the request ids and each stream's events."""
+    ids = [f"{tag}-{i}" for i in range(len(PROMPTS))]
     events: list[list] = [[] for _ in PROMPTS]
 
     async def one(i: int) -> None:
-        async for event in client.generate(prompt=PROMPTS[i], sampling_params=_seeded(i), timeout_s=240):
+        stream = client.generate(
+            prompt=PROMPTS[i], sampling_params=_seeded(i), request_id=ids[i], timeout_s=240
+        )
+        async for event in stream:
             events[i].append(event)
 
     streams = asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
     while min(sum(len(e.token_ids) for e in es) for es in events) < 30:
         await asyncio.sleep(0.005)
-    await disturb()
+    await disturb(ids)
     await asyncio.wait_for(streams, 240)
-    return events
+    return ids, events
 
 
 def test_two_replicas_lose_nothing_when_one_is_killed_or_hangs(tmp_path):
@@ -94,55 +119,75 @@ def test_two_replicas_lose_nothing_when_one_is_killed_or_hangs(tmp_path):
                 assert got[-1].finish_reason == "length", (what, i)
 
         async def main():
-            async with Client(state["bootstrap_servers"]) as client:
+            bootstrap = state["bootstrap_servers"]
+            async with Client(bootstrap) as client, Journal(bootstrap) as journal:
                 # 1. kill -9 replica 1's scheduler: `parkade up` restarts it, and it resumes its own.
-                async def kill() -> None:
+                async def kill(ids: list[str]) -> None:
                     old = up.wait_ready()["pids"]["scheduler-1"]
                     os.kill(old, signal.SIGKILL)
                     await _wait_for_new_pid(up, "scheduler-1", old)
 
-                check(await _round(client, kill), "killed")
-                routes = await _routes(state["bootstrap_servers"])
-                assert {r.replica for r in routes if r.replica} == {"0", "1"}, routes  # both took streams
+                ids, events = await _round(client, "killed", kill)
+                check(events, "killed")
+                took = lambda: {r.replica for r in journal.of(ids) if r.replica}  # noqa: E731
+                await journal.until("both replicas took streams", lambda: took() == {"0", "1"})
 
                 # 2. a replica's scheduler hangs past the timeout: its streams go on at the other,
-                # and once it wakes its copies are aborted (never run twice to completion).
-                # NOTE: the replica that took the most of this round's streams: the router may
+                # and once it wakes its copies are aborted (never run twice to completion). It
+                # hangs until every stream it ran is handed over (the journal says so), not for
+                # a fixed time that a loaded machine may need more than.
+                # NOTE: the replica that runs the most of this round's streams: the router may
                 # send them all to one (seen in CI: replica 1 had none after round 1's hand-over).
                 hung: list[str] = []
+                on_hung: list[str] = []
 
-                async def hang() -> None:
-                    taken = [r.replica for r in (await _routes(state["bootstrap_servers"]))[before:]]
-                    hung.append(max(("0", "1"), key=taken.count))
+                async def hang(ids: list[str]) -> None:
+                    await journal.until(
+                        "each stream routed", lambda: set(_running_on(journal.of(ids))) == set(ids)
+                    )
+                    running = _running_on(journal.of(ids))
+                    hung.append(max(("0", "1"), key=list(running.values()).count))
+                    on_hung.extend(i for i in ids if running[i] == hung[0])
                     pid = up.wait_ready()["pids"]["scheduler" if hung[0] == "0" else "scheduler-1"]
                     os.kill(pid, signal.SIGSTOP)
                     try:
-                        await asyncio.sleep(4)
+                        await journal.until(
+                            f"replica {hung[0]}'s streams handed over (timeout {FAST_HANDOVER[1]} s)",
+                            lambda: (
+                                {r.request_id for r in journal.of(on_hung) if r.from_index} == set(on_hung)
+                            ),
+                        )
                     finally:
                         os.kill(pid, signal.SIGCONT)
 
-                before = len(await _routes(state["bootstrap_servers"]))
-                check(await _round(client, hang), "hung")
-                handed = [
-                    r
-                    for r in (await _routes(state["bootstrap_servers"]))[before:]
-                    if r.from_index and r.replica
-                ]
+                ids, events = await _round(client, "hung", hang)
+                check(events, "hung")
                 other = {"0": "1", "1": "0"}[hung[0]]
-                assert handed and {r.replica for r in handed} == {other}, (hung, handed)
+
+                def handed() -> list[RequestRouted]:
+                    return [r for r in journal.of(on_hung) if r.from_index and r.replica]
+
+                await journal.until(
+                    "every handed-over stream routed again",
+                    lambda: {r.request_id for r in handed()} == set(on_hung),
+                )
+                assert on_hung and {r.replica for r in handed()} == {other}, (hung, journal.of(ids))
 
                 # 3. kill -9 the first of the two tokenizers: its successor reads the routing
                 # journal and sends each of its streams back to the replica that runs it (nothing
                 # is routed twice); the other tokenizer's streams go on meanwhile.
-                async def kill_tokenizer() -> None:
+                async def kill_tokenizer(ids: list[str]) -> None:
                     old = up.wait_ready()["pids"]["tokenizer"]
                     os.kill(old, signal.SIGKILL)
                     await _wait_for_new_pid(up, "tokenizer", old)
 
-                before = len(await _routes(state["bootstrap_servers"]))
-                check(await _round(client, kill_tokenizer), "tokenizer killed")
-                fresh = [r for r in (await _routes(state["bootstrap_servers"]))[before:] if r.from_index == 0]
-                assert len({r.request_id for r in fresh}) == len(fresh) == len(PROMPTS), fresh
+                ids, events = await _round(client, "tokenizer-killed", kill_tokenizer)
+                check(events, "tokenizer killed")
+                fresh = lambda: [r for r in journal.of(ids) if r.from_index == 0]  # noqa: E731
+                await journal.until(
+                    "each stream's first route", lambda: {r.request_id for r in fresh()} == set(ids)
+                )
+                assert len(fresh()) == len(PROMPTS), fresh()
 
         asyncio.run(main())
     except AssertionError:
@@ -175,7 +220,10 @@ def test_a_replica_started_while_serving_takes_requests(tmp_path):
                         pass
 
                 await asyncio.gather(*(one(i) for i in range(8)))
-            return {r.replica for r in await _routes(bootstrap)}
+            async with Journal(bootstrap) as journal:
+                took = lambda: {r.replica for r in journal.routes}  # noqa: E731
+                await journal.until("replica 7 took a request", lambda: "7" in took())
+                return took()
 
         assert asyncio.run(main()) == {"0", "7"}
     except AssertionError:
