@@ -26,7 +26,12 @@
  *     one zmm with AVX-512, two ymm with AVX2), bf16 rows widened by a shift, when head_dim % VL == 0;
  *   - with AVX512-BF16 and a bf16 cache, q.k is VDPBF16PS on bf16 pairs. q is the model's bf16
  *     activation widened to fp32 by the caller, so narrowing it back is exact, and each product of
- *     two bf16 numbers is exact in fp32: only the summation order differs from the fp32 path;
+ *     two bf16 numbers is exact in fp32: only the summation order differs from the fp32 path.
+ *     For head_dim 64 and 128 (`run_item_dpbf16`) the loops are blocked for the registers: 16
+ *     keys' dot products summed by one transpose-and-add tree, each KV head's V rows widened once
+ *     for all the query heads that read them, a head's accumulator held in registers across a
+ *     tile, and the next tile's K and V prefetched into L2 (measured on an AVX512-BF16 EPYC,
+ *     batch 64 at 400 keys: 1.4-1.6x the per-key loop below);
  *   - otherwise (e.g. head_dim 8 with AVX-512) scalar loops, which the compiler vectorizes as it can.
  * Threads: an OpenMP team (the same libgomp that torch loaded, so the same thread pool as torch's
  * own ops and no second set of spinning threads) splits the items by cost, i.e. keys read.
@@ -188,7 +193,149 @@ static inline void axpy(const Problem *pr, float *acc, float w, const char *v, i
     }
 }
 
+
+#if HAVE_DPBF16
+/* Lane i of the result: the sum of v[i]'s 16 lanes (a transpose-and-add tree: 45 instructions for
+ * 16 dot products, where a reduction each would take 8 apiece). */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 s2[8], s4[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane L: the lane-L sums of v[4i .. 4i+3] */
+        s4[i] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0x44),
+                              _mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0xEE));
+    const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], 0x88), _mm512_shuffle_f32x4(s4[0], s4[1], 0xDD));
+    const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], 0x88), _mm512_shuffle_f32x4(s4[2], s4[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+}
+
+/* run_item for a bf16 cache on AVX512-BF16 with head_dim D (a constant where it is inlined, so
+ * that a head's accumulator and q live in registers). Per tile and KV head: the scores of 16
+ * keys at a time for each query head of the group (VDPBF16PS, then one hsum16), the online
+ * softmax, the head's V rows widened to fp32 once, and acc += w * v with acc in registers. */
+static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem *pr, int64_t item, const int D) {
+    const int hpi = pr->kv_heads_per_item;
+    const int group = pr->num_q_heads / pr->num_kv_heads;
+    const int heads = hpi * group;
+    const int items_per_seq = pr->num_kv_heads / hpi;
+    const int64_t b = item / items_per_seq;
+    const int h0 = (int)(item % items_per_seq) * hpi;
+    const int seq_len = pr->seq_lens[b];
+    const int first = first_key(pr, seq_len);
+    const float *qb = pr->q + (b * pr->num_q_heads + (int64_t)h0 * group) * D;
+    const int32_t *table = pr->block_table + (pr->row_seq ? pr->row_seq[b] : b) * pr->table_stride;
+    const int64_t row_bytes = (int64_t)pr->num_kv_heads * D * 2;
+    const int64_t width_bytes = (int64_t)hpi * D * 2;
+    const char *k_base = (const char *)pr->k_cache + (int64_t)h0 * D * 2;
+    const char *v_base = (const char *)pr->v_cache + (int64_t)h0 * D * 2;
+
+    static _Thread_local float acc[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    static _Thread_local uint16_t qh[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    static _Thread_local float vbuf[TILE * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float scores[MAX_HEADS * TILE] __attribute__((aligned(64)));
+    float m[MAX_HEADS], l[MAX_HEADS], corr[MAX_HEADS];
+    int64_t rows[TILE];
+    for (int i = 0; i < heads * D; i++) { /* truncation: exact for the bf16 values the caller widened */
+        uint32_t u;
+        memcpy(&u, qb + i, sizeof u);
+        qh[i] = (uint16_t)(u >> 16);
+    }
+    for (int j = 0; j < heads; j++) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)heads * D);
+    const __m512 scale = _mm512_set1_ps(pr->scale);
+
+    for (int start = first; start < seq_len; start += TILE) {
+        const int n = seq_len - start < TILE ? seq_len - start : TILE;
+        for (int t = 0; t < n; t++) {
+            const int p = start + t;
+            rows[t] = ((int64_t)table[p / pr->block_size] * pr->block_size + p % pr->block_size) * row_bytes;
+        }
+        if (start == first) /* the first tile's V; later tiles' K and V come a tile ahead */
+            for (int t = 0; t < n; t++)
+                for (int64_t byte = 0; byte < width_bytes; byte += 64) __builtin_prefetch(v_base + rows[t] + byte);
+        for (int p = start + TILE; p < start + 2 * TILE && p < seq_len; p++) {
+            const int64_t row = ((int64_t)table[p / pr->block_size] * pr->block_size + p % pr->block_size) * row_bytes;
+            for (int64_t byte = 0; byte < width_bytes; byte += 64) {
+                __builtin_prefetch(k_base + row + byte, 0, 2);
+                __builtin_prefetch(v_base + row + byte, 0, 2);
+            }
+        }
+
+        for (int hh = 0; hh < hpi; hh++) {
+            const char *kh = k_base + (int64_t)hh * D * 2, *vh = v_base + (int64_t)hh * D * 2;
+            for (int j = hh * group; j < (hh + 1) * group; j++) {
+                __m512bh qv[D / 32];
+                for (int c = 0; c < D / 32; c++) qv[c] = (__m512bh)_mm512_load_si512(qh + (int64_t)j * D + 32 * c);
+                float *sj = scores + j * TILE;
+                for (int t0 = 0; t0 < n; t0 += 16) {
+                    __m512 part[16];
+                    for (int tt = 0; tt < 16; tt++) {
+                        __m512 a = _mm512_setzero_ps();
+                        if (t0 + tt < n) {
+                            const uint16_t *k = (const uint16_t *)(kh + rows[t0 + tt]);
+                            for (int c = 0; c < D / 32; c++)
+                                a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+                        }
+                        part[tt] = a;
+                    }
+                    _mm512_store_ps(sj + t0, _mm512_mul_ps(hsum16(part), scale));
+                }
+                float tile_max = sj[0];
+                for (int t = 1; t < n; t++) tile_max = sj[t] > tile_max ? sj[t] : tile_max;
+                const float new_m = tile_max > m[j] ? tile_max : m[j];
+                const float correction = exp_nonpositive(m[j] - new_m); /* 0 on the first tile */
+                float sum = 0.0f;
+                for (int t = 0; t < n; t++) {
+                    sj[t] = exp_nonpositive(sj[t] - new_m);
+                    sum += sj[t];
+                }
+                l[j] = l[j] * correction + sum;
+                m[j] = new_m;
+                corr[j] = correction; /* applied to acc in the PV pass */
+            }
+            for (int t = 0; t < n; t++) { /* this head's V rows, widened once */
+                const uint16_t *v = (const uint16_t *)(vh + rows[t]);
+                for (int c = 0; c < D / 16; c++) {
+                    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + 16 * c)));
+                    _mm512_store_ps(vbuf + t * D + 16 * c, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+                }
+            }
+            for (int j = hh * group; j < (hh + 1) * group; j++) {
+                const float *sj = scores + j * TILE;
+                float *aj = acc + (int64_t)j * D;
+                __m512 a[D / 16];
+                const __m512 cj = _mm512_set1_ps(corr[j]);
+                for (int c = 0; c < D / 16; c++) a[c] = _mm512_mul_ps(_mm512_load_ps(aj + 16 * c), cj);
+                for (int t = 0; t < n; t++) {
+                    const __m512 w = _mm512_set1_ps(sj[t]);
+                    for (int c = 0; c < D / 16; c++) a[c] = _mm512_fmadd_ps(w, _mm512_load_ps(vbuf + t * D + 16 * c), a[c]);
+                }
+                for (int c = 0; c < D / 16; c++) _mm512_store_ps(aj + 16 * c, a[c]);
+            }
+        }
+    }
+    for (int j = 0; j < heads; j++) {
+        float *dst = pr->out + (b * pr->num_q_heads + (int64_t)h0 * group + j) * D;
+        const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+        for (int d = 0; d < D; d++) dst[d] = acc[(int64_t)j * D + d] * inv;
+    }
+}
+#endif
+
 static void run_item(const Problem *pr, int64_t item) {
+#if HAVE_DPBF16
+    if (pr->dtype == DTYPE_BF16 && pr->head_dim == 64) {
+        run_item_dpbf16(pr, item, 64);
+        return;
+    }
+    if (pr->dtype == DTYPE_BF16 && pr->head_dim == 128) {
+        run_item_dpbf16(pr, item, 128);
+        return;
+    }
+#endif
     const int D = pr->head_dim, hpi = pr->kv_heads_per_item;
     const int group = pr->num_q_heads / pr->num_kv_heads;
     const int heads = hpi * group; /* query heads of this item */
