@@ -1,0 +1,141 @@
+"""The CPU paged-attention kernel (`kernels/csrc/paged_attention.c`) on decode and prefill shapes,
+against the same kernel at another git revision, in one process. Prints one JSON document.
+
+    python loadtest/cpu_attention_bench.py --against REV [--threads N] [--repeat R]
+
+Each case is a batch of decode rows (one query per request, its context in shuffled blocks of
+16) or one fresh prompt's prefill rows, bf16 K/V, at the heads of the anchors' tiny-llama (4 query
+heads over 2 KV heads of 64), small-llama (12 over 4 of 64) and an 8B-like layer (32 over 8 of
+128). Both builds run every case alternately `--repeat` times; the best time of each is reported,
+with GB/s of K/V read for the decode cases and the largest difference between the two outputs.
+`--against` is any revision whose tree has the kernel source (7642e8a: the per-key loop before the
+register-blocked AVX512-BF16 path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from parkade.kernels import attention_cpu
+from parkade.services.executor.cpu_paths import cpu_description
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = "kernels/csrc/paged_attention.c"
+DECODE = [  # (name, q heads, kv heads, head_dim, batch, context)
+    ("tiny-llama decode", 4, 2, 64, 64, 400),
+    ("small-llama decode", 12, 4, 64, 64, 400),
+    ("8B-like decode", 32, 8, 128, 32, 1000),
+    ("tiny-llama decode, batch 4", 4, 2, 64, 4, 64),
+]
+PREFILL = [("tiny-llama prefill", 4, 2, 64, 512), ("small-llama prefill", 12, 4, 64, 512)]
+BLOCK = 16
+
+
+def _decode_case(q_heads: int, kv_heads: int, head_dim: int, batch: int, context: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    per_seq = -(-context // BLOCK)
+    num_blocks = batch * per_seq + 8
+    k = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    table = (
+        torch.randperm(num_blocks, generator=gen)[: batch * per_seq].reshape(batch, per_seq).to(torch.int32)
+    )
+    q = torch.randn(batch, q_heads, head_dim, generator=gen).to(torch.bfloat16)
+    lens = [context - (i * 37) % min(50, context) for i in range(batch)]  # ragged, as a live batch
+    nbytes = sum(lens) * kv_heads * head_dim * 2 * 2
+    scale = head_dim**-0.5
+    return {"run": lambda: attention_cpu.decode_attention(q, k, v, table, lens, scale, None), "bytes": nbytes}
+
+
+def _prefill_case(q_heads: int, kv_heads: int, head_dim: int, length: int) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    num_blocks = -(-length // BLOCK)
+    k_cache = torch.zeros(num_blocks, BLOCK, kv_heads, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    q = torch.randn(length, q_heads, head_dim, generator=gen).to(torch.bfloat16)
+    k = torch.randn(length, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(length, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    attention_cpu.write_kv_cache(k, v, k_cache, v_cache, torch.arange(length))
+    table = torch.arange(num_blocks, dtype=torch.int32)[None]
+    cu, used = torch.tensor([0, length], dtype=torch.int32), torch.tensor([length], dtype=torch.int32)
+
+    def run() -> torch.Tensor:
+        return attention_cpu.paged_attention_varlen(
+            q, k_cache, v_cache, cu_seqlens_q=cu, max_seqlen_q=length, seqused_k=used, max_seqlen_k=length,
+            softmax_scale=head_dim**-0.5, block_table=table,
+        )  # fmt: skip
+
+    return {"run": run, "bytes": None}
+
+
+def _use(source: Path) -> None:
+    """Build (cached by source) and load the kernel from `source`."""
+    attention_cpu.SOURCE = source
+    attention_cpu._library.cache_clear()
+    attention_cpu._library()
+
+
+def _time(fn, seconds: float = 0.3) -> float:
+    fn()
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        runs += 1
+    return (time.perf_counter() - start) / runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--against", required=True, help="git revision of the kernel to compare with")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--repeat", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    old_text = subprocess.run(
+        ["git", "show", f"{args.against}:{SOURCE}"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        old_source = Path(tmp) / "paged_attention.c"
+        old_source.write_text(old_text)
+        builds = {"current": ROOT / SOURCE, args.against: old_source}
+        cases = [(name, _decode_case(*shape)) for name, *shape in DECODE]
+        cases += [(name, _prefill_case(*shape)) for name, *shape in PREFILL]
+        rows = []
+        for name, case in cases:
+            best = {b: float("inf") for b in builds}
+            outputs = {}
+            for _ in range(args.repeat):  # alternated: this machine's speed drifts within minutes
+                for build, source in builds.items():
+                    _use(source)
+                    outputs[build] = case["run"]()
+                    best[build] = min(best[build], _time(case["run"]))
+            row = {"case": name, **{f"{b}_ms": round(best[b] * 1e3, 3) for b in builds}}
+            row["speedup"] = round(best[args.against] / best["current"], 2)
+            if case["bytes"]:
+                row["current_gb_per_s"] = round(case["bytes"] / best["current"] / 1e9, 1)
+            diff = (outputs["current"].float() - outputs[args.against].float()).abs().max().item()
+            row["max_abs_diff"] = diff
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    _use(ROOT / SOURCE)
+    print(json.dumps({
+        "benchmark": "cpu_attention", "against": args.against, "threads": args.threads,
+        "machine": f"{platform.machine()}, python {platform.python_version()}, torch {torch.__version__}",
+        "cpu": cpu_description(), "features": attention_cpu.features(), "cases": rows,
+    }, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
