@@ -67,6 +67,9 @@ def parkade_child(args: argparse.Namespace) -> dict:
             attention_backend="torch" if args.baseline else "auto",
             cpu_matmul_upcast=not args.baseline,
             enforce_eager=args.baseline or args.enforce_eager,
+            **(
+                {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
+            ),
         ),
         skip_tokenizer_init=True,
     )
@@ -172,6 +175,10 @@ def main() -> None:
         "does); naive serving runs once",
     )  # fmt: skip
     parser.add_argument("--enforce-eager", action="store_true", help="Parkade without torch.compile")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None,
+        help="Parkade's step token budget (default: Parkade's own; vLLM-CPU's is 4096)",
+    )  # fmt: skip
     parser.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)  # child: before/after
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -210,7 +217,9 @@ def main() -> None:
                        "--workload", args.workload, "--dtype", args.dtype,
                        "--request-rate", str(args.request_rate), "--repeat", str(args.repeat),
                        "--child-out", str(out), *extra,
-                       *(["--enforce-eager"] if args.enforce_eager else [])]  # fmt: skip
+                       *(["--enforce-eager"] if args.enforce_eager else []),
+                       *(["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+                         if args.max_num_batched_tokens else [])]  # fmt: skip
             results[name] = run_json(command, out)
 
     def headline(name: str) -> dict:

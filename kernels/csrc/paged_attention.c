@@ -504,3 +504,20 @@ int paged_attention_rows(
     for (int64_t item = item_begin; item < item_end; item++) run_item(&pr, item);
     return 0;
 }
+
+/* The pool write: token i's K and V rows (`row_bytes` each, all its KV heads; token i's at byte
+ * i * key_stride of `key`, i * value_stride of `value`) to slot slots[i] of the pools, skipped where
+ * slots[i] < 0. Returns -1, having written nothing, when a slot is past the pool's `num_slots`
+ * (checked first: an index is never trusted blindly into a raw copy). */
+int parkade_write_kv(const void *key, const void *value, void *k_cache, void *v_cache, const int64_t *slots,
+                     int64_t num_tokens, int64_t num_slots, int64_t row_bytes, int64_t key_stride,
+                     int64_t value_stride) {
+    for (int64_t i = 0; i < num_tokens; i++)
+        if (slots[i] >= num_slots) return -1;
+    for (int64_t i = 0; i < num_tokens; i++) {
+        if (slots[i] < 0) continue;
+        memcpy((char *)k_cache + slots[i] * row_bytes, (const char *)key + i * key_stride, (size_t)row_bytes);
+        memcpy((char *)v_cache + slots[i] * row_bytes, (const char *)value + i * value_stride, (size_t)row_bytes);
+    }
+    return 0;
+}

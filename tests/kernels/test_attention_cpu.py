@@ -4,7 +4,8 @@ The small cases of test_attention_torch.py run it against a dense reference; her
 enough that items hold every KV head of a request and that the work is split over threads, and
 the torch path (itself checked against the dense reference) is the expected value. Head dims pick
 the kernel's vector paths: 64 and 128 (VDPBF16PS dot products on a bf16 cache where the CPU has
-AVX512-BF16, fp32 vectors otherwise), 48 (fp32 vectors only), 8 (scalar loops).
+AVX512-BF16, fp32 vectors otherwise), 48 (fp32 vectors only), 8 (scalar loops). The pool
+write (`write_kv_cache`, a C loop of row copies) is checked against the torch path's.
 """
 
 from __future__ import annotations
@@ -178,3 +179,31 @@ def test_the_avx2_and_generic_builds_on_this_cpu(tmp_path, march, expected):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["features"] == expected
     assert result["worst"] < 2e-2  # bf16 tolerance, as test_attention_torch
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_pool_write_is_the_torch_paths_and_never_writes_past_the_pool(dtype):
+    gen = torch.Generator().manual_seed(5)
+    pools = [torch.zeros(40, 16, 2, 64, dtype=dtype) for _ in range(4)]  # C: k, v; torch: k, v
+    for num_tokens in (1, 65, 300):
+        key, value = (torch.randn(num_tokens, 2, 64, generator=gen).to(dtype) for _ in range(2))
+        slots = torch.randperm(40 * 16, generator=gen)[:num_tokens]
+        slots[::7] = -1  # padding rows (the compiled step's dummy request): not written
+        attention_cpu.write_kv_cache(key, value, pools[0], pools[1], slots)
+        attention_torch.write_kv_cache(key, value, pools[2], pools[3], slots)
+        assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    # K and V as slices of one fused tensor (rows contiguous, the tensors not): strided copies.
+    fused = torch.randn(5, 3, 2, 64, generator=gen).to(dtype)
+    slots = torch.tensor([9, -1, 100, 101, 7])
+    attention_cpu.write_kv_cache(fused[:, 0], fused[:, 2], pools[0], pools[1], slots)
+    attention_torch.write_kv_cache(fused[:, 0], fused[:, 2], pools[2], pools[3], slots)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    before = [p.clone() for p in pools[:2]]
+    slots = torch.tensor([3, 40 * 16])  # the second is one past the last slot
+    with pytest.raises(IndexError, match="past the pool"):
+        attention_cpu.write_kv_cache(key[:2], value[:2], pools[0], pools[1], slots)
+    assert torch.equal(pools[0], before[0]) and torch.equal(pools[1], before[1])  # nothing written
+    # Rows in another dtype than the pool's: the torch path casts them.
+    wide = torch.randn(3, 2, 64, generator=gen, dtype=torch.float64)
+    attention_cpu.write_kv_cache(wide, wide, pools[0], pools[1], torch.tensor([0, 1, 2]))
+    assert torch.equal(pools[0].view(-1, 2, 64)[:3], wide.to(dtype))
