@@ -128,6 +128,24 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * scale;
 }
 
+/* One tile of the online softmax for one query head: the running max *m and sum *l take the
+ * tile's n scores s[0..n), which become their weights e^(s - m'); -> the factor e^(m - m') that
+ * the head's accumulator must be scaled by (0 on the first tile). */
+static inline float softmax_tile(float *s, int n, float *m, float *l) {
+    float tile_max = s[0];
+    for (int t = 1; t < n; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
+    const float new_m = tile_max > *m ? tile_max : *m;
+    const float correction = exp_nonpositive(*m - new_m);
+    float sum = 0.0f;
+    for (int t = 0; t < n; t++) {
+        s[t] = exp_nonpositive(s[t] - new_m);
+        sum += s[t];
+    }
+    *l = *l * correction + sum;
+    *m = new_m;
+    return correction;
+}
+
 typedef struct {
     const float *q;
     const void *k_cache, *v_cache;
@@ -139,6 +157,11 @@ typedef struct {
     int num_q_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_heads_per_item;
     float scale;
 } Problem;
+
+/* The pool slot (row) of key position p, through its request's block-table row. */
+static inline int64_t slot_of(const Problem *pr, const int32_t *table, int p) {
+    return (int64_t)table[p / pr->block_size] * pr->block_size + p % pr->block_size;
+}
 
 static inline int first_key(const Problem *pr, int seq_len) {
     return pr->sliding_window > 0 && seq_len > pr->sliding_window ? seq_len - pr->sliding_window : 0;
@@ -251,13 +274,13 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
         const int n = seq_len - start < TILE ? seq_len - start : TILE;
         for (int t = 0; t < n; t++) {
             const int p = start + t;
-            rows[t] = ((int64_t)table[p / pr->block_size] * pr->block_size + p % pr->block_size) * row_bytes;
+            rows[t] = slot_of(pr, table, p) * row_bytes;
         }
         if (start == first) /* the first tile's V; later tiles' K and V come a tile ahead */
             for (int t = 0; t < n; t++)
                 for (int64_t byte = 0; byte < width_bytes; byte += 64) __builtin_prefetch(v_base + rows[t] + byte);
         for (int p = start + TILE; p < start + 2 * TILE && p < seq_len; p++) {
-            const int64_t row = ((int64_t)table[p / pr->block_size] * pr->block_size + p % pr->block_size) * row_bytes;
+            const int64_t row = slot_of(pr, table, p) * row_bytes;
             for (int64_t byte = 0; byte < width_bytes; byte += 64) {
                 __builtin_prefetch(k_base + row + byte, 0, 2);
                 __builtin_prefetch(v_base + row + byte, 0, 2);
@@ -283,18 +306,7 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
                     }
                     _mm512_store_ps(sj + t0, _mm512_mul_ps(hsum16(part), scale));
                 }
-                float tile_max = sj[0];
-                for (int t = 1; t < n; t++) tile_max = sj[t] > tile_max ? sj[t] : tile_max;
-                const float new_m = tile_max > m[j] ? tile_max : m[j];
-                const float correction = exp_nonpositive(m[j] - new_m); /* 0 on the first tile */
-                float sum = 0.0f;
-                for (int t = 0; t < n; t++) {
-                    sj[t] = exp_nonpositive(sj[t] - new_m);
-                    sum += sj[t];
-                }
-                l[j] = l[j] * correction + sum;
-                m[j] = new_m;
-                corr[j] = correction; /* applied to acc in the PV pass */
+                corr[j] = softmax_tile(sj, n, &m[j], &l[j]); /* applied to acc in the PV pass */
             }
             for (int t = 0; t < n; t++) { /* this head's V rows, widened once */
                 const uint16_t *v = (const uint16_t *)(vh + rows[t]);
@@ -377,12 +389,12 @@ static void run_item(const Problem *pr, int64_t item) {
         const int n = seq_len - start < TILE ? seq_len - start : TILE;
         for (int t = 0; t < n; t++) {
             const int p = start + t;
-            rows[t] = ((int64_t)table[p / pr->block_size] * pr->block_size + p % pr->block_size) * row_bytes;
+            rows[t] = slot_of(pr, table, p) * row_bytes;
         }
         /* The rows are scattered over blocks the hardware prefetcher cannot guess: ask for the
          * next tile's K rows and this tile's V rows while this tile's keys are computed. */
         for (int p = start + TILE; p < start + 2 * TILE && p < seq_len; p++) {
-            const int64_t row = (int64_t)table[p / pr->block_size] * pr->block_size + p % pr->block_size;
+            const int64_t row = slot_of(pr, table, p);
             const char *k = k_base + row * row_bytes;
             for (int64_t byte = 0; byte < width * pr->elem; byte += 64) __builtin_prefetch(k + byte);
         }
@@ -405,18 +417,7 @@ static void run_item(const Problem *pr, int64_t item) {
             }
         }
         for (int j = 0; j < heads; j++) {
-            float *sj = scores + j * TILE;
-            float tile_max = sj[0];
-            for (int t = 1; t < n; t++) tile_max = sj[t] > tile_max ? sj[t] : tile_max;
-            const float new_m = tile_max > m[j] ? tile_max : m[j];
-            const float correction = exp_nonpositive(m[j] - new_m); /* 0 on the first tile */
-            float sum = 0.0f;
-            for (int t = 0; t < n; t++) {
-                sj[t] = exp_nonpositive(sj[t] - new_m);
-                sum += sj[t];
-            }
-            l[j] = l[j] * correction + sum;
-            m[j] = new_m;
+            const float correction = softmax_tile(scores + j * TILE, n, &m[j], &l[j]);
             float *aj = acc + (int64_t)j * D;
             for (int d = 0; d < D; d++) aj[d] *= correction;
         }
