@@ -135,6 +135,10 @@ class SchedulerHandler(Service):
         self.metrics: SchedulerMetrics | None = None  # see enable_metrics
         self.failures = StepFailures(self.live)  # who is suspected of failing steps
         self._next_wait_check = 0.0
+        # Whether the state changed (a record, a plan, a send error) since the last integrity
+        # check: the check scans every block of the pool (tens of thousands), so it runs once per
+        # idle spell, not after every empty poll (it took half a core on an idle server).
+        self._unchecked = True
 
     def enable_metrics(self) -> SchedulerMetrics:
         """Measure from now on (the service serves them with --metrics-port)."""
@@ -191,6 +195,7 @@ class SchedulerHandler(Service):
     def on_record(
         self, message: EngineRequest | FinishRequest | StepResult | ExecutorAnnouncement, record: Record
     ) -> list[Outgoing]:
+        self._unchecked = True
         if isinstance(message, StepResult | ExecutorAnnouncement):
             return self.on_step_results(message)
         return self.on_tokenized(message, record.headers, record.offset)
@@ -339,6 +344,7 @@ class SchedulerHandler(Service):
     def on_send_error(self, out: Outgoing, error: Exception) -> list[Outgoing]:
         """The broker refused a record this handler produced (too large). A step plan that could
         not be sent is a failed step; a step's batch of events goes again one event a record."""
+        self._unchecked = True
         message = out.message
         if isinstance(message, StepPlan):
             if not self.link.in_flight_now(message):
@@ -378,7 +384,7 @@ class SchedulerHandler(Service):
 
     def next_plans(self) -> list[Outgoing]:
         """The executor's liveness, then step plans until `max_in_flight` are out; when an
-        executor serves and nothing is in flight, the integrity checks."""
+        executor serves, nothing is in flight and something changed, the integrity checks."""
         out = self._check_executor()
         if self.scheduler is None:
             return out
@@ -393,8 +399,10 @@ class SchedulerHandler(Service):
             if self.metrics is not None:
                 self.metrics.planned(plan, self.live)
             out.append(Outgoing(self.plans_topic, plan))
-        if self.link.serving and not self.link.in_flight:
+            self._unchecked = True
+        if self.link.serving and not self.link.in_flight and self._unchecked:
             self.check_integrity()
+            self._unchecked = False
         return out
 
     def after_batch(self) -> list[Outgoing]:

@@ -269,6 +269,22 @@ def test_scheduler_handler_runs_requests_to_the_end_and_refuses_impossible_ones(
     assert handler.scheduler.kv.num_free_blocks == 64
 
 
+def test_an_idle_scheduler_checks_its_integrity_once_per_idle_spell_not_per_poll(monkeypatch):
+    handler = SchedulerHandler(SchedulingOptions())
+    handler.on_announcement(announce())
+    checks = []
+    monkeypatch.setattr(handler.scheduler, "check_integrity", lambda: checks.append(1))
+    handler.on_tokenized(engine_request("a"))
+    drive(handler, FakeExecutor(vocab_size=50, seed=3, block_size=4))
+    assert len(checks) == 1  # when the last step came back and nothing was in flight
+    for _ in range(5):  # empty polls: nothing changed, no scan of the pool
+        handler.after_batch()
+    assert len(checks) == 1
+    handler.on_record(announce(), record=None)  # any record may change the state
+    handler.next_plans()
+    assert len(checks) == 2
+
+
 def test_a_new_executor_makes_the_scheduler_recompute_everything():
     handler = SchedulerHandler(SchedulingOptions())
     handler.on_announcement(announce("e1"))
