@@ -34,9 +34,16 @@ def num_blocks_for_budget(config: ModelConfig, block_size: int, memory_bytes: in
 def allocate_kv_pool(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[KVCache]:
-    """Zero-filled, so that padded reads of never-written slots are finite (masked, not NaN)."""
+    """Zero-filled, so that padded reads of never-written slots are finite (masked, not NaN).
+
+    NOTE: inference tensors (made under inference_mode, as every step runs), so that writing them
+    records no version counter: torch then dispatches the attention op that writes them without
+    its Python autograd-view kernel: 40-90 us less per layer and step on a CPU (tiny-llama's decode
+    batch of 64, the two kinds of cache alternated: median 507 -> 420 and 455 -> 360 us per op
+    call). They can be written only under inference_mode."""
     shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(config.num_hidden_layers)
-    ]
+    with torch.inference_mode():
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_hidden_layers)
+        ]
