@@ -132,6 +132,8 @@ def test_gpu_memory_utilization_sizes_the_pool_on_a_cpu(caplog, monkeypatch, eve
     llm = LLM(dtype="float32", max_model_len=128, gpu_memory_utilization=0.5)
     assert llm.engine.core.scheduler.config.num_blocks == 100
     assert llm.engine.core.executor.kv_caches[0][0].shape[0] == 100
+    # Inference tensors (see allocate_kv_pool): the attention op writes them without autograd's layer.
+    assert all(cache.is_inference() for layer in llm.engine.core.executor.kv_caches for cache in layer)
     llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     # disable_log_stats is True by default, as in vLLM's LLM: no stats line.
     assert llm.engine.stat_logger is None and stats_lines(caplog) == []
