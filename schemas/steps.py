@@ -129,3 +129,5 @@ class ExecutorAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="execu
     # failed step whose answer the scheduler never matched (a plan it did not send).
     scheduler_id: str = ""
     epoch: int = 0
+    # The token budget it runs best at, for a scheduler whose user set none (None: the default).
+    default_batched_tokens: int | None = None

@@ -14,6 +14,8 @@ class FakeExecutor:
     loses information (a missing block, a wrong num_computed_tokens) fails here.
     """
 
+    default_batched_tokens = None  # the scheduler's default budget, as a GPU executor's
+
     def __init__(self, vocab_size: int = 50, seed: int = 0, block_size: int | None = None) -> None:
         self.rng = random.Random(seed)
         self.vocab_size = vocab_size

@@ -45,7 +45,9 @@ def build_engine_parts(args: EngineArgs) -> tuple[Scheduler, Executor | Simulate
             scheduling, block_size=args.block_size, max_model_len=max_len
         ),
     )
-    geometry = KVGeometry(executor.num_blocks, args.block_size, max_model_len)
+    geometry = KVGeometry(
+        executor.num_blocks, args.block_size, max_model_len, executor.default_batched_tokens
+    )
     return Scheduler(SchedulerConfig.build(scheduling, geometry)), executor
 
 

@@ -77,6 +77,7 @@ class ExecutorHandler(Service):
             vocab_size=self.executor.vocab_size,
             scheduler_id=self.scheduler_id or "",
             epoch=self.epoch,
+            default_batched_tokens=self.executor.default_batched_tokens,
         )
         return Outgoing(self.results_topic, message)
 

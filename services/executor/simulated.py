@@ -133,6 +133,10 @@ class SimulatedExecutor:
     def num_requests(self) -> int:
         return len(self.requests)
 
+    @property
+    def default_batched_tokens(self) -> None:
+        return None  # a GPU's steps: the scheduler's default budget
+
     def reset(self) -> None:
         """Forget every request (a new scheduler knows none of them)."""
         self.requests.clear()

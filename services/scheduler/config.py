@@ -12,7 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-# The token budget when none is given: vLLM's default for chunked prefill.
+# The token budget when none is given: vLLM's default for chunked prefill; an executor may announce
+# the budget it runs best at instead (`KVGeometry.default_batched_tokens`: a CPU's is smaller).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 # The waiting queue's bounds. Beyond them a request is refused at once ("overloaded", as TGI's
 # 429) rather than queued without end: a client can retry elsewhere, and the scheduler's memory
@@ -56,8 +57,9 @@ class SchedulingOptions:
     max_num_batched_tokens: int | None = field(
         default=None,
         metadata={
-            "help": "tokens computed per step (the token budget); unset: "
-            f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, or max_model_len if that is more and chunked prefill is off"
+            "help": "tokens computed per step (the token budget); unset: the executor's default "
+            f"({DEFAULT_MAX_NUM_BATCHED_TOKENS}; 2048 on a CPU), or max_model_len if that is more and "
+            "chunked prefill is off"
         },
     )
     enable_prefix_caching: bool = field(
@@ -99,6 +101,9 @@ class KVGeometry:
     num_blocks: int
     block_size: int
     max_model_len: int  # the longest request (prompt + outputs) the executor serves
+    # The token budget this executor runs best at, for when the user sets none (None: the default).
+    # Not part of the pool's identity (equality), which tells a replaced pool from the same one.
+    default_batched_tokens: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,13 +128,14 @@ class SchedulerConfig:
         """The scheduler's configuration over `geometry`. Raises ValueError for options that
         cannot work there.
 
-        The one rule for the token budget: unset, it is the default, raised to max_model_len
+        The one rule for the token budget: unset, it is the executor's default (else
+        DEFAULT_MAX_NUM_BATCHED_TOKENS), raised to max_model_len
         when chunked prefill is off (a whole prompt must then fit one step); set explicitly below
         max_model_len with chunked prefill off, it is an error, never silently changed.
         """
         budget = options.max_num_batched_tokens
         if budget is None:
-            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            budget = geometry.default_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
             if not options.enable_chunked_prefill:
                 budget = max(budget, geometry.max_model_len)
         return cls(

@@ -293,7 +293,10 @@ class SchedulerHandler(Service):
             return []
         for record in self.live.values():
             record.waiting_since = None
-        geometry = KVGeometry(announcement.num_blocks, announcement.block_size, announcement.max_model_len)
+        geometry = KVGeometry(
+            announcement.num_blocks, announcement.block_size, announcement.max_model_len,
+            announcement.default_batched_tokens,
+        )  # fmt: skip
         out: list[Outgoing] = []
         if self.scheduler is not None:
             self._recompute_everything()

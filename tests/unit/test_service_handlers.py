@@ -354,6 +354,7 @@ class _CountingExecutor:
     num_blocks, block_size = 8, 4
 
     vocab_size = 50
+    default_batched_tokens = None
 
     def __init__(self):
         self.executed = []
@@ -663,6 +664,30 @@ def test_options_that_cannot_work_on_the_announced_pool_answer_every_request_wit
     default = SchedulerHandler(SchedulingOptions(enable_chunked_prefill=False))
     default.on_announcement(msgspec.structs.replace(announce(), max_model_len=9000, num_blocks=600))
     assert default.scheduler.config.max_num_batched_tokens == 9000
+
+
+def test_the_budget_unset_is_the_one_the_executor_announces_and_set_is_the_users():
+    from parkade.services.scheduler.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    cpu = msgspec.structs.replace(announce(), default_batched_tokens=2048)
+    unset = SchedulerHandler(SchedulingOptions())
+    unset.on_announcement(cpu)
+    assert unset.scheduler.config.max_num_batched_tokens == 2048
+    # The same pool announced again by a new executor is the same pool: its requests go on.
+    unset.on_tokenized(engine_request("a"))
+    unset.next_plans()
+    assert unset.on_announcement(msgspec.structs.replace(cpu, executor_id="e2")) == []
+    assert "a" in unset.scheduler.requests
+    silent = SchedulerHandler(SchedulingOptions())  # an executor that announces no budget (a GPU's)
+    silent.on_announcement(announce())
+    assert silent.scheduler.config.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    chosen = SchedulerHandler(SchedulingOptions(max_num_batched_tokens=512))
+    chosen.on_announcement(cpu)
+    assert chosen.scheduler.config.max_num_batched_tokens == 512
+    # With chunked prefill off, a whole prompt must fit one step, whatever the executor asks.
+    whole = SchedulerHandler(SchedulingOptions(enable_chunked_prefill=False))
+    whole.on_announcement(msgspec.structs.replace(cpu, max_model_len=9000, num_blocks=600))
+    assert whole.scheduler.config.max_num_batched_tokens == 9000
 
 
 # ---- failures: a step that raises, an executor that goes silent -------------------------------
