@@ -16,7 +16,6 @@ from parkade.services.executor.sampler import (
     _apply_penalties,
     _plain_greedy,
     _process_logits,
-    inverse_cdf,
     row_seed,
 )
 
@@ -104,36 +103,6 @@ def test_filters_never_choose_filtered_tokens(params, allowed):
     mass = PROBS[sorted(allowed)].sum()
     for token in allowed:  # the kept tokens keep their relative probabilities
         assert abs(counts[token] / 4000 - PROBS[token] / mass) < 0.04
-
-
-def test_the_inverse_cdf_never_answers_a_token_without_mass():
-    # Zeroed tokens between, before and after the kept ones; u at both ends of [0, 1).
-    probs = torch.tensor(
-        [
-            [0.0, 0.3, 0.0, 0.0, 0.7, 0.0],
-            [0.0, 0.0, 0.0, 0.0, 0.0, 1e-30],
-            [0.1, 0.2, 0.3, 0.0, 0.0, 0.0],
-            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # no mass: id 0, as argmax answers
-            [float("nan")] * 6,
-        ]
-    )
-    below_one = 1.0 - 2.0**-24
-    for u, expected in [(0.0, [1, 5, 0, 0, 0]), (below_one, [4, 5, 2, 0, 0]), (0.29, [1, 5, 1, 0, 0])]:
-        assert inverse_cdf(probs, torch.full((5, 1), u)).tolist() == expected
-    # Unnormalized rows: u is a fraction of the row's own total.
-    assert inverse_cdf(torch.tensor([[2.0, 0.0, 6.0]]), torch.tensor([[0.26]])).tolist() == [2]
-    # Many rows at random: the answer always has mass and sits where u falls.
-    gen = torch.Generator().manual_seed(0)
-    probs = torch.rand(200, 300, generator=gen) * (torch.rand(200, 300, generator=gen) < 0.1)
-    probs[:, 0] = 0.0
-    u = torch.rand(200, 1, generator=gen)
-    ids = inverse_cdf(probs, u)
-    assert (probs.gather(1, ids[:, None]) > 0).all()
-    cdf = probs.double().cumsum(-1)
-    through = cdf.gather(1, ids[:, None])  # the mass up to and including the answer
-    before = through - probs.gather(1, ids[:, None]).double()
-    target = u.double() * cdf[:, -1:]
-    assert (before <= target + 1e-6).all() and (through >= target - 1e-6).all()
 
 
 def test_temperature_sharpens():
