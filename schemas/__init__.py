@@ -13,7 +13,7 @@ from parkade.schemas.engine import (
     SchedulerAnnouncement,
     TokenLogprobs,
 )
-from parkade.schemas.events import TokenEvent, Usage
+from parkade.schemas.events import TokenEvent, TokenEventBatch, Usage
 from parkade.schemas.instances import InstanceHeartbeat
 from parkade.schemas.requests import (
     AbortRequest,
@@ -61,6 +61,7 @@ __all__ = [
     "StepPlan",
     "StepResult",
     "TokenEvent",
+    "TokenEventBatch",
     "TokenLogprobs",
     "TokenizerAnnouncement",
     "Usage",

@@ -1,4 +1,5 @@
-"""Messages on the tokens topic (tokenizer -> clients), keyed by `request_id`."""
+"""Messages on the tokens topic (tokenizer -> clients), keyed by `request_id`; on a reply topic
+whose requests asked for batches, `TokenEventBatch` records keyed by the topic's name."""
 
 from __future__ import annotations
 
@@ -43,3 +44,17 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="token_event"):
     # With `error`: the request's field to change, when one is to blame ("max_tokens" for a
     # prompt + max_tokens over the model's max_model_len); the gateway answers with it as `param`.
     error_param: str | None = None
+
+
+class TokenEventBatch(msgspec.Struct, frozen=True, kw_only=True, tag="token_event_batch"):
+    """Token events of several requests in one record: only on a client's reply topic, and only
+    for requests whose headers asked for it (`topics.REPLY_BATCHES`). One record per step for a
+    client with many streams open, where one per event would cost the tokenizer, the broker and
+    the client a record each.
+
+    `traceparents[i]` is the `traceparent` header `events[i]` would carry as a record of its own
+    ("" for none): a client tells the requests that reuse an id apart by it. A request's events
+    keep their order within a batch and across the batches (all on one partition)."""
+
+    events: tuple[TokenEvent, ...]
+    traceparents: tuple[str, ...]

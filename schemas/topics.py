@@ -18,7 +18,7 @@ from parkade.schemas.engine import (
     GeneratedTokens,
     SchedulerAnnouncement,
 )
-from parkade.schemas.events import TokenEvent
+from parkade.schemas.events import TokenEvent, TokenEventBatch
 from parkade.schemas.instances import InstanceHeartbeat
 from parkade.schemas.requests import AbortRequest, GenerateRequest, TokenizerAnnouncement
 from parkade.schemas.routing import DEFAULT_REPLICA, KVEvents, ReplicaStatus, RequestRouted
@@ -29,8 +29,9 @@ from parkade.schemas.steps import ExecutorAnnouncement, StepPlan, StepResult
 # scheduler's announcement says whether it resumes, a tokenizer announces itself on requests;
 # 5: an executor's announcement lost `model`, `eos_token_ids` and `heartbeat` (read by nobody:
 # a v4 reader refuses a v5 announcement, which lacks the required `model`). 6: engine replicas:
-# the kv-events topic, RequestRouted on requests, `replica` on generated records.
-SCHEMA_VERSION = 6
+# the kv-events topic, RequestRouted on requests, `replica` on generated records. 7: the tokens
+# topic carries TokenEventBatch, to the reply topics of requests that ask for it (REPLY_BATCHES).
+SCHEMA_VERSION = 7
 DEFAULT_PREFIX = "parkade."
 
 REQUESTS = "requests"  # client -> tokenizer, keyed by request_id
@@ -56,7 +57,7 @@ TOPIC_TYPES: dict[str, Any] = {
     STEP_PLANS: StepPlan,
     STEP_RESULTS: StepResult | ExecutorAnnouncement,
     GENERATED: GeneratedBatch | GeneratedTokens | SchedulerAnnouncement,
-    TOKENS: TokenEvent,
+    TOKENS: TokenEvent | TokenEventBatch,
     INSTANCES: InstanceHeartbeat,
     KV_EVENTS: ReplicaStatus | KVEvents,
 }
@@ -69,8 +70,13 @@ JSON_ENCODER = msgspec.json.Encoder()
 # headers, so a JSON request is answered in JSON on every topic it crosses.
 CONTENT_TYPE = "content-type"
 # A request's header naming the topic its token events go to, instead of the shared tokens topic
-# (Kafka's request-reply convention); keyed by request id there too.
+# (Kafka's request-reply convention); keyed by request id there too (but see REPLY_BATCHES).
 REPLY_TOPIC = "reply-topic"
+# A request's header (any value) saying that its client reads TokenEventBatch on its reply topic:
+# its events may then share records with other requests' events, every record to that topic is
+# keyed by the topic's name (one partition: the order holds across batches and single events).
+# Without a reply topic it means nothing: readers of the shared topic read TokenEvents only.
+REPLY_BATCHES = "reply-batches"
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 JSON = b"application/json"
 MSGPACK = b"application/msgpack"

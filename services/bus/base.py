@@ -61,13 +61,15 @@ class CommitError(RuntimeError):
 class Outgoing:
     """A record a handler wants sent: `topic` is the unprefixed name (schemas.topics); `message`
     a msgspec Struct, or raw bytes (a dead letter); `to`, a full topic name sent to instead of
-    `topic`'s (a client's reply topic)."""
+    `topic`'s (a client's reply topic); `parts`, the records it stands for when it merges several
+    (a TokenEventBatch): sent or refused, it is answered for as each of them."""
 
     topic: str
     message: Any
     key: str | None = None
     headers: Headers = ()
     to: str | None = None
+    parts: tuple[Outgoing, ...] = ()
 
 
 class Consumer(Protocol):

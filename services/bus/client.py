@@ -3,13 +3,13 @@
 The library under `parkade.client.Client` (which finds the broker) and the HTTP gateway.
 
 Each client has a reply topic of its own (`<prefix>tokens.<random>`, named in every request's
-`reply-topic` header), so that its reading cost follows its own traffic; it deletes the topic
-when it stops, keeps a heartbeat for it while it runs, and as it starts reaps the reply topics
-of clients that died without stopping (see replies.py); with
-`own_reply_topic=False` it reads the shared tokens topic instead (every client sees every event
-and keeps those of its own requests), from its end before it sends anything. An event
-whose trace context (`traceparent` header) is not its request's belongs to another request with
-the same id, and is not its stream's.
+`reply-topic` header, with `reply-batches`: a step's events for it come in one record), so that
+its reading cost follows its own traffic; it deletes the topic when it stops, keeps a heartbeat
+for it while it runs, and as it starts reaps the reply topics of clients that died without
+stopping (see replies.py); with `own_reply_topic=False` it reads the shared tokens topic instead
+(every client sees every event and keeps those of its own requests), from its end before it
+sends anything. An event whose trace context (`traceparent` header, or its entry in a batch) is
+not its request's belongs to another request with the same id, and is not its stream's.
 
 A stream never waits forever: it ends with `PipelineGoneError` when the broker stops answering
 (probed whenever no record came for `PROBE_S`), or when no event of the request came for
@@ -31,7 +31,15 @@ from typing import Any
 
 import msgspec
 
-from parkade.schemas import AbortRequest, ChatMessage, GenerateRequest, SamplingParams, TokenEvent, topics
+from parkade.schemas import (
+    AbortRequest,
+    ChatMessage,
+    GenerateRequest,
+    SamplingParams,
+    TokenEvent,
+    TokenEventBatch,
+    topics,
+)
 from parkade.services.bus import replies
 from parkade.services.bus.base import Bus, Outgoing, RecordRejected
 from parkade.services.bus.serve import FetchWait, send_all
@@ -170,8 +178,16 @@ class RequestClient:
             # would wait for it: say so.
             log.warning("an undecodable record on %s at offset %d: %s", record.topic, record.offset, error)
             return
+        if isinstance(event, TokenEventBatch):
+            traceparents = event.traceparents
+            for i, one in enumerate(event.events):
+                traceparent = traceparents[i] if i < len(traceparents) else ""
+                self._deliver_event(one, traceparent.encode() or None)
+        else:
+            self._deliver_event(event, record.header("traceparent"))
+
+    def _deliver_event(self, event: TokenEvent, traceparent: bytes | None) -> None:
         stream = self._streams.get(event.request_id)
-        traceparent = record.header("traceparent")
         if stream is not None and traceparent in (None, stream.traceparent):
             stream.queue.put_nowait(event)
 
@@ -271,8 +287,8 @@ class RequestClient:
         traceparent = traceparent or new_traceparent()
         self._streams[request.request_id] = _Stream(traceparent, request.sampling_params.n)
         headers: tuple[tuple[str, bytes], ...] = (("traceparent", traceparent),)
-        if self.reply_topic is not None:
-            headers += ((topics.REPLY_TOPIC, self.reply_topic.encode()),)
+        if self.reply_topic is not None:  # read by this client only: it takes batched events
+            headers += ((topics.REPLY_TOPIC, self.reply_topic.encode()), (topics.REPLY_BATCHES, b"1"))
         try:
             await send_all(
                 self.bus, [Outgoing(topics.REQUESTS, request, request.request_id, headers)], self.prefix

@@ -29,8 +29,8 @@ import re
 import time
 import uuid
 
-from parkade.schemas import topics
-from parkade.services.bus.base import Bus
+from parkade.schemas import TokenEvent, TokenEventBatch, topics
+from parkade.services.bus.base import Bus, Headers, Outgoing
 
 HEARTBEAT_S = 30.0
 REAP_GRACE_S = 300.0
@@ -39,6 +39,9 @@ REAP_GRACE_S = 300.0
 # answers it with a retriable "unknown topic": found by review.
 ADMIN_TIMEOUT_S = 10.0
 _REPLY_GROUP = "reply-topics"
+# The most events in one TokenEventBatch. Only events without logprobs are batched: each holds one
+# step's tokens and text, so that a batch stays far below a broker's record limit (1 MB by default).
+MAX_BATCH_EVENTS = 256
 
 
 def new_reply_topic(prefix: str) -> str:
@@ -92,3 +95,65 @@ async def reap(
     if unbeaten:
         await asyncio.wait_for(bus.save_progress_many(group, unbeaten), ADMIN_TIMEOUT_S)
     return stale
+
+
+def takes_batches(headers: Headers) -> bool:
+    """Whether a request's events may be batched: it names a reply topic and asks for batches."""
+    return any(k == topics.REPLY_BATCHES for k, _ in headers) and topics.reply_topic(headers) is not None
+
+
+def reply_key(request_id: str, headers: Headers) -> str:
+    """The key of a request's token events: the reply topic's name where they may be batched (one
+    partition for all that goes there, so that a request's batches and single events keep their
+    order), else the request id."""
+    to = topics.reply_topic(headers)
+    return to if to is not None and takes_batches(headers) else request_id
+
+
+def batch_events(outgoing: list[Outgoing]) -> list[Outgoing]:
+    """`outgoing` with the token events for each reply topic that takes batches merged into
+    TokenEventBatch records (see topics.REPLY_BATCHES), each where its first event was.
+
+    NOTE: the order of each request's events holds: a batch only grows with events that come after
+    everything already in it, and an event that is not batched (logprobs) closes the open batches
+    of its topic, so that what follows it goes in a later record. A batch of one event is sent as
+    that event's own record. Each batch record stands for its events' records (`parts`).
+    """
+    merged: list[Outgoing | list[Outgoing]] = []
+    open_: dict[tuple[str, bytes | None], list[Outgoing]] = {}  # (topic, content type) -> its batch
+    for out in outgoing:
+        event, to = out.message, out.to
+        if to is None or not isinstance(event, TokenEvent) or not takes_batches(out.headers):
+            merged.append(out)
+            continue
+        if event.logprobs is not None or event.prompt_logprobs is not None:
+            for slot in [slot for slot in open_ if slot[0] == to]:
+                del open_[slot]
+            merged.append(out)
+            continue
+        slot = (to, _header(out.headers, topics.CONTENT_TYPE))
+        batch = open_.get(slot)
+        if batch is None or len(batch) >= MAX_BATCH_EVENTS:
+            batch = open_[slot] = []
+            merged.append(batch)
+        batch.append(out)
+    return [item if isinstance(item, Outgoing) else _batch_record(item) for item in merged]
+
+
+def _batch_record(parts: list[Outgoing]) -> Outgoing:
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    content_type = _header(first.headers, topics.CONTENT_TYPE)
+    batch = TokenEventBatch(
+        events=tuple(p.message for p in parts),
+        traceparents=tuple(
+            (_header(p.headers, "traceparent") or b"").decode(errors="replace") for p in parts
+        ),
+    )
+    headers: Headers = ((topics.CONTENT_TYPE, content_type),) if content_type is not None else ()
+    return Outgoing(topics.TOKENS, batch, first.to, headers, first.to, tuple(parts))
+
+
+def _header(headers: Headers, name: str) -> bytes | None:
+    return next((v for k, v in headers if k == name), None)

@@ -160,6 +160,11 @@ class Service:
         """After each poll, records or not (sent before what the records produced)."""
         return []
 
+    def coalesce(self, outgoing: list[Outgoing]) -> list[Outgoing]:
+        """What one poll produced, as it is sent: records merged where their readers take that
+        (the tokenizer: token events into batches, see replies.batch_events)."""
+        return outgoing
+
     def busy(self) -> bool:
         """Whether work is in flight whose next record someone waits for (short fetch waits)."""
         return False
@@ -248,7 +253,7 @@ class _Loop:
             records = await self.consumer.getmany(timeout_ms=self.service.poll_ms)
             outgoing = await self._handle(records)
             # First: the scheduler's next step plans must not queue behind token records.
-            outgoing = self.service.after_batch() + outgoing
+            outgoing = self.service.coalesce(self.service.after_batch() + outgoing)
             if outgoing:
                 await self.sends.queue_after(outgoing)
             uncommitted = uncommitted or bool(records)
@@ -363,11 +368,13 @@ class _Sends:
         for outgoing, acks, are_answers in pending:
             for out, outcome in zip(outgoing, await acks, strict=True):
                 if not isinstance(outcome, RecordRejected):
-                    self.service.on_sent(out, outcome)
+                    for part in out.parts or (out,):
+                        self.service.on_sent(part, outcome)
                     continue
                 log.error("the broker refused a record for %s (key %s): %s", out.topic, out.key, outcome)
                 if not are_answers:  # an answer that is refused too is only logged
-                    answers += self.service.on_send_error(out, outcome)
+                    for part in out.parts or (out,):
+                        answers += self.service.on_send_error(part, outcome)
         return answers
 
 

@@ -64,6 +64,7 @@ from parkade.schemas import (
     topics,
 )
 from parkade.schemas.routing import DEFAULT_REPLICA, KVEvents, ReplicaStatus, RequestRouted
+from parkade.services.bus import replies
 from parkade.services.bus.base import Headers, Outgoing, Record
 from parkade.services.bus.serve import Service, dead_letter, rejected_letter
 from parkade.services.common import tracing
@@ -120,7 +121,8 @@ def shard_of(request_id: str, shards: int) -> int:
 
 def tokens_out(event: TokenEvent, headers: Headers) -> Outgoing:
     """A token event, to the request's reply topic if it named one, else the shared one."""
-    return Outgoing(topics.TOKENS, event, event.request_id, headers, topics.reply_topic(headers))
+    key = replies.reply_key(event.request_id, headers)
+    return Outgoing(topics.TOKENS, event, key, headers, topics.reply_topic(headers))
 
 
 def error_event(
@@ -256,6 +258,10 @@ class TokenizerHandler(ReplicaRouting, Service):
 
     def after_batch(self) -> list[Outgoing]:
         return self.check_orphans() + self.check_replicas()
+
+    def coalesce(self, outgoing: list[Outgoing]) -> list[Outgoing]:
+        # A step's events for one client in one record, where the client reads batches.
+        return replies.batch_events(outgoing)
 
     def on_request(
         self,

@@ -134,6 +134,39 @@ def test_a_record_the_broker_refuses_is_answered_for_and_the_loop_goes_on():
     asyncio.run(main())
 
 
+def test_a_refused_batch_record_is_answered_for_as_each_of_the_records_it_merged():
+    from parkade.schemas import TokenEvent
+    from parkade.services.bus import replies
+    from parkade.services.bus.base import Outgoing
+
+    reply = "t.tokens.0123456789ab"
+    headers = ((topics.REPLY_TOPIC, reply.encode()), (topics.REPLY_BATCHES, b"1"))
+
+    async def main():
+        bus = MemoryBus(max_record_bytes=120)
+        await bus.send(REQUESTS, abort("step"))
+        answered = []
+
+        def handler(message, record):
+            events = [TokenEvent(request_id=f"r{i}", index=0, text="x" * 40) for i in range(3)]
+            return [Outgoing(topics.TOKENS, e, reply, headers, reply) for e in events]
+
+        def on_send_error(out, error):
+            answered.append(out.message.request_id)
+            return []
+
+        async def until_answered():
+            while len(answered) < 3:
+                await asyncio.sleep(0.01)
+
+        await _serve_until(
+            bus, handler, until_answered, coalesce=replies.batch_events, on_send_error=on_send_error
+        )
+        assert answered == ["r0", "r1", "r2"] and not bus.topics.get(reply)
+
+    asyncio.run(main())
+
+
 def test_a_second_instance_of_a_service_is_refused_and_a_dead_one_is_not_in_the_way():
     from parkade.services.bus.instances import DuplicateInstanceError, single_instance
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from parkade.client import Client, PipelineGoneError
-from parkade.schemas import AbortRequest, FinishReason, SamplingParams, TokenEvent, topics
+from parkade.schemas import AbortRequest, FinishReason, SamplingParams, TokenEvent, TokenEventBatch, topics
 from parkade.services.bus import MemoryBus
 from parkade.services.bus import client as client_module
 
@@ -48,6 +48,38 @@ def test_events_of_another_request_with_the_same_id_do_not_reach_the_stream():
 
     events = asyncio.run(main())
     assert [e.text for e in events] == ["x", "y"] and events[-1].finish_reason == "length"
+
+
+def test_a_batch_of_events_reaches_each_stream_and_not_a_request_that_reuses_the_id():
+    async def main():
+        bus = MemoryBus()
+        async with Client(bus=bus, topic_prefix=PREFIX) as client:
+            await client.submit(prompt="Hi", request_id="r")
+            await client.submit(prompt="Ho", request_id="s")
+            (request,) = [r for r in bus.topics[REQUESTS] if r.key == b"r"]
+            assert request.header(topics.REPLY_BATCHES) is not None  # it asks for batches
+            mine = request_traceparent(bus, "r").decode()
+            first = TokenEventBatch(
+                events=(
+                    TokenEvent(request_id="r", index=0, finish_reason=FinishReason.ERROR, error="in use"),
+                    TokenEvent(request_id="r", index=0, token_ids=(5,), text="x"),
+                    TokenEvent(request_id="s", index=0, token_ids=(7,), text="z", finish_reason="length"),
+                ),
+                traceparents=("00-another-request", mine, ""),  # "": no trace context to check
+            )
+            last = TokenEventBatch(
+                events=(
+                    TokenEvent(request_id="r", index=1, token_ids=(6,), text="y", finish_reason="length"),
+                ),
+                traceparents=(mine,),
+            )
+            for batch in (first, last):
+                await bus.send(
+                    client.reply_topic, topics.ENCODER.encode(batch), key=client.reply_topic.encode()
+                )
+            return [e.text async for e in client.stream("r")], [e.text async for e in client.stream("s")]
+
+    assert asyncio.run(main()) == (["x", "y"], ["z"])
 
 
 def test_a_request_past_its_timeout_ends_with_timeout_error_and_is_aborted():

@@ -1,6 +1,7 @@
 """Clients' reply topics on the in-memory bus: a client deletes its own when it stops, keeps a
 heartbeat for it while it lives, and the reaper deletes those of clients gone for longer than the
-grace, never a live client's (see services/bus/replies.py)."""
+grace, never a live client's (see services/bus/replies.py); the events sent there in batches keep
+each request's order."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import asyncio
 import time
 
 from parkade.client import Client
+from parkade.schemas import TokenEvent, TokenEventBatch, TokenLogprobs, topics
 from parkade.services.bus import MemoryBus, replies
 from parkade.services.bus import client as client_module
+from parkade.services.bus.base import Outgoing
 
 PREFIX = "t."
 
@@ -143,3 +146,53 @@ def test_a_client_stopped_with_open_streams_aborts_them_and_leaves_its_topic_to_
         assert settled.reply_topic not in bus.topics
 
     asyncio.run(main())
+
+
+def _event_out(request_id, index, to="t.tokens.0123456789ab", json=False, **fields):
+    headers = (
+        (topics.REPLY_TOPIC, to.encode()),
+        (topics.REPLY_BATCHES, b"1"),
+        ("traceparent", request_id.encode()),
+    )
+    if json:
+        headers += ((topics.CONTENT_TYPE, topics.JSON),)
+    event = TokenEvent(request_id=request_id, index=index, token_ids=(index,), **fields)
+    return Outgoing(topics.TOKENS, event, replies.reply_key(request_id, headers), headers, to)
+
+
+def _shape(outgoing):
+    """Each record as the (request id, index) of its events."""
+    return [
+        [(e.request_id, e.index) for e in o.message.events]
+        if isinstance(o.message, TokenEventBatch)
+        else (o.message.request_id, o.message.index)
+        for o in outgoing
+    ]
+
+
+def test_batches_keep_each_requests_order_around_events_that_go_alone(monkeypatch):
+    logprobs = (TokenLogprobs(token_ids=(1,), logprobs=(-0.5,), ranks=(1,)),)
+    other = "t.tokens.ba9876543210"
+    outgoing = [
+        _event_out("a", 0), _event_out("b", 0), _event_out("c", 0, to=other), _event_out("j", 0, json=True),
+        _event_out("a", 1, logprobs=logprobs),  # alone: it closes its topic's batches
+        _event_out("b", 1), _event_out("a", 2), _event_out("j", 1, json=True), _event_out("c", 1, to=other),
+    ]  # fmt: skip
+    merged = replies.batch_events(outgoing)
+    assert _shape(merged) == [
+        [("a", 0), ("b", 0)], [("c", 0), ("c", 1)], ("j", 0),  # a batch of one: the event's own record
+        ("a", 1), [("b", 1), ("a", 2)], ("j", 1),
+    ]  # fmt: skip
+    assert all(o.key == o.to for o in merged)
+    assert merged[0].message.traceparents == ("a", "b")
+    assert sum(len(o.parts) or 1 for o in merged) == len(outgoing)
+    monkeypatch.setattr(replies, "MAX_BATCH_EVENTS", 2)
+    capped = replies.batch_events([_event_out(r, 0) for r in "uvwxy"])
+    assert _shape(capped) == [[("u", 0), ("v", 0)], [("w", 0), ("x", 0)], ("y", 0)]
+    # JSON requests' events are batched among themselves, in JSON.
+    (both,) = replies.batch_events([_event_out("j", 0, json=True), _event_out("k", 0, json=True)])
+    assert both.headers == ((topics.CONTENT_TYPE, topics.JSON),)
+    assert (
+        topics.TopicDecoder(topics.TOKENS).decode(topics.encode(both.message, both.headers), topics.JSON)
+        == both.message
+    )

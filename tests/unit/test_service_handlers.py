@@ -113,6 +113,37 @@ def test_a_steps_batch_of_events_becomes_one_token_event_each_and_a_redelivery_n
     assert handler.on_generated(step) == []  # redelivered
 
 
+def test_a_steps_events_for_a_client_that_takes_batches_travel_in_one_record_and_the_rest_alone(
+    stories_frontend, stories_tokenizer
+):
+    handler = TokenizerHandler(stories_frontend)
+    to = "t.tokens.0123456789ab"
+    batched = ((topics.REPLY_TOPIC, to.encode()), (topics.REPLY_BATCHES, b"1"))
+    heads = {
+        "p": (("traceparent", b"00-p"), *batched),
+        "q": batched,  # no trace context of its own
+        "r": (("traceparent", b"00-r"), (topics.REPLY_TOPIC, to.encode())),  # reads single events
+        "s": ((topics.REPLY_BATCHES, b"1"),),  # the shared topic: never batched
+    }
+    for request_id, headers in heads.items():
+        handler.on_request(GenerateRequest(request_id=request_id, prompt="Once upon"), headers)
+    ids = stories_tokenizer.encode(" a time", add_special_tokens=False)
+    step = GeneratedBatch(
+        events=tuple(GeneratedTokens(request_id=i, index=0, token_ids=(ids[0],)) for i in "pqrs")
+    )
+    out = handler.coalesce(handler.on_generated(step))
+    assert [(o.to, o.key, type(o.message).__name__) for o in out] == [
+        (to, to, "TokenEventBatch"),  # keyed by the topic: one partition for all that goes there
+        (to, "r", "TokenEvent"),
+        (None, "s", "TokenEvent"),
+    ]
+    batch = out[0].message
+    assert [e.request_id for e in batch.events] == ["p", "q"] and batch.traceparents == ("00-p", "")
+    assert [e.text for e in batch.events] == [out[1].message.text] * 2
+    assert [p.message for p in out[0].parts] == list(batch.events)  # answered for as its events
+    assert out[0].headers == ()  # (msgpack: no content type)
+
+
 def test_events_that_leave_a_hole_in_a_stream_end_it_with_an_error_never_shown_as_they_came(
     stories_frontend,
 ):
