@@ -42,7 +42,7 @@ from parkade.schemas import (
 )
 from parkade.services.bus import replies
 from parkade.services.bus.base import Bus, Outgoing, RecordRejected
-from parkade.services.bus.serve import FetchWait, send_all
+from parkade.services.bus.serve import STREAM_FETCH_WAIT_MS, FetchWait, send_all
 from parkade.services.common.prompts import ChatOptions
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class RequestClient:
     async def _read(self, consumer: Any) -> None:
         loop = asyncio.get_running_loop()
         last_record = loop.time()
-        fetch_wait = FetchWait(consumer)
+        fetch_wait = FetchWait(consumer, STREAM_FETCH_WAIT_MS)
         try:
             while not self._closing:
                 fetch_wait.follow(bool(self._streams))  # short fetch waits while streams are open

@@ -66,7 +66,7 @@ from parkade.schemas import (
 from parkade.schemas.routing import DEFAULT_REPLICA, KVEvents, ReplicaStatus, RequestRouted
 from parkade.services.bus import replies
 from parkade.services.bus.base import Headers, Outgoing, Record
-from parkade.services.bus.serve import Service, dead_letter, rejected_letter
+from parkade.services.bus.serve import STREAM_FETCH_WAIT_MS, Service, dead_letter, rejected_letter
 from parkade.services.common import tracing
 from parkade.services.common.recent import RecentIds
 from parkade.services.tokenizer.frontend import FrontEnd, RequestStream, StreamUpdate
@@ -163,6 +163,7 @@ def token_event(request_id: str, update: StreamUpdate) -> TokenEvent:
 
 class TokenizerHandler(ReplicaRouting, Service):
     group_id = "parkade-tokenizer"
+    busy_fetch_wait_ms = STREAM_FETCH_WAIT_MS  # off the step loop
     consumes = (topics.REQUESTS, topics.GENERATED, topics.KV_EVENTS)
 
     def __init__(

@@ -167,6 +167,47 @@ def test_a_refused_batch_record_is_answered_for_as_each_of_the_records_it_merged
     asyncio.run(main())
 
 
+def test_readers_off_the_step_loop_wait_longer_for_a_fetch_while_busy(monkeypatch):
+    """The step loop's services fetch with the short busy wait; the tokenizer and each client,
+    whose readers nothing waits on, with the longer one; all with the default while idle."""
+    from parkade.client import Client
+    from parkade.services.bus import memory
+    from parkade.services.bus.serve import BUSY_FETCH_WAIT_MS, STREAM_FETCH_WAIT_MS
+    from parkade.services.scheduler.handler import SchedulerHandler
+    from parkade.services.tokenizer.handler import TokenizerHandler
+
+    waits = []
+    monkeypatch.setattr(memory.MemoryConsumer, "set_fetch_wait", lambda self, ms: waits.append(ms))
+    assert SchedulerHandler.busy_fetch_wait_ms == BUSY_FETCH_WAIT_MS < STREAM_FETCH_WAIT_MS
+    assert TokenizerHandler.busy_fetch_wait_ms == STREAM_FETCH_WAIT_MS
+
+    async def main():
+        bus = MemoryBus()
+        busy = [True]
+        service = _Requests(lambda m, r: [], busy=lambda: busy[0], busy_fetch_wait_ms=7)
+
+        async def until_idle_again():
+            while waits != [7]:
+                await asyncio.sleep(0.01)
+            busy[0] = False
+            while waits != [7, None]:
+                await asyncio.sleep(0.01)
+
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve(bus, service, prefix=PREFIX, stop=stop))
+        await asyncio.wait_for(until_idle_again(), 5)
+        stop.set()
+        await task
+        waits.clear()
+        async with Client(bus=bus, topic_prefix=PREFIX) as client:
+            await client.submit(prompt="Hi", request_id="r")  # an open stream: busy
+            while not waits:
+                await asyncio.sleep(0.01)
+        assert waits[0] == STREAM_FETCH_WAIT_MS
+
+    asyncio.run(main())
+
+
 def test_a_second_instance_of_a_service_is_refused_and_a_dead_one_is_not_in_the_way():
     from parkade.services.bus.instances import DuplicateInstanceError, single_instance
 
