@@ -50,6 +50,7 @@ from parkade.schemas import StepPlan, StepResult, topics
 from parkade.services.bus.kafka import KafkaBus, wait_for_broker
 from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor.kv_pool import bytes_per_block
+from parkade.services.scheduler.executor_link import DEFAULT_MAX_IN_FLIGHT
 from parkade.up import Child, free_port
 
 STORIES = DEFAULT_MODEL  # the trained stories260K that ships with Parkade
@@ -544,7 +545,8 @@ def main() -> None:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="default: 2048; simulated 8192"
     )
-    parser.add_argument("--max-in-flight", type=int, default=2, help="the scheduler's step plans out at once")
+    in_flight_help = "the scheduler's step plans out at once"
+    parser.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT, help=in_flight_help)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads, each path")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

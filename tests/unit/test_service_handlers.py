@@ -317,7 +317,7 @@ def test_an_idle_scheduler_checks_its_integrity_once_per_idle_spell_not_per_poll
 
 
 def test_a_new_executor_makes_the_scheduler_recompute_everything():
-    handler = SchedulerHandler(SchedulingOptions())
+    handler = SchedulerHandler(SchedulingOptions(), max_in_flight=2)
     handler.on_announcement(announce("e1"))
     handler.on_tokenized(engine_request("a", max_tokens=8))
     (plan, _) = [o.message for o in handler.next_plans()]
