@@ -58,7 +58,7 @@ def _cmdline(pid: int) -> list[str]:
 
 def test_up_serves_the_shipped_model_and_hands_each_service_its_flags(tmp_path):
     flags = ["--block-size", "8", "--max-model-len", "256", "--max-num-seqs", "8"]
-    flags += ["--scheduling-policy", "priority", "--no-enable-prefix-caching", "--max-in-flight", "3"]
+    flags += ["--scheduling-policy", "priority", "--no-enable-prefix-caching", "--max-in-flight", "2"]
     up = Up(tmp_path, *flags)
     try:
         state = up.wait_ready()
@@ -75,7 +75,7 @@ def test_up_serves_the_shipped_model_and_hands_each_service_its_flags(tmp_path):
     executor, scheduler = " ".join(commands["executor"]), " ".join(commands["scheduler"])
     assert "--block-size 8 --max-model-len 256" in executor and "--max-num-seqs" not in executor
     assert "--max-num-seqs 8" in scheduler and "--scheduling-policy priority" in scheduler
-    assert "--no-enable-prefix-caching" in scheduler and "--max-in-flight 3" in scheduler
+    assert "--no-enable-prefix-caching" in scheduler and "--max-in-flight 2" in scheduler
     assert "--model" not in " ".join(commands["tokenizer"])  # the default: nothing to pass
     assert result.returncode == 0, f"{result.stderr}\n{up.output()}"
     # The trained stories260K, greedy: the story its authors document.
