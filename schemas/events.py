@@ -48,9 +48,9 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="token_event"):
 
 class TokenEventBatch(msgspec.Struct, frozen=True, kw_only=True, tag="token_event_batch"):
     """Token events of several requests in one record: only on a client's reply topic, and only
-    for requests whose headers asked for it (`topics.REPLY_BATCHES`). One record per step for a
-    client with many streams open, where one per event would cost the tokenizer, the broker and
-    the client a record each.
+    for requests whose headers asked for it (`topics.REPLY_BATCHES`). One record per step (or per
+    few steps) for a client with many streams open, where one per event would cost the tokenizer,
+    the broker and the client a record each.
 
     `traceparents[i]` is the `traceparent` header `events[i]` would carry as a record of its own
     ("" for none): a client tells the requests that reuse an id apart by it. A request's events
