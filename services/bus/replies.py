@@ -97,17 +97,16 @@ async def reap(
     return stale
 
 
-def takes_batches(headers: Headers) -> bool:
-    """Whether a request's events may be batched: it names a reply topic and asks for batches."""
-    return any(k == topics.REPLY_BATCHES for k, _ in headers) and topics.reply_topic(headers) is not None
+def asks_for_batches(headers: Headers) -> bool:
+    """Whether a request's headers ask for batched events (they count only with a reply topic)."""
+    return any(k == topics.REPLY_BATCHES for k, _ in headers)
 
 
-def reply_key(request_id: str, headers: Headers) -> str:
-    """The key of a request's token events: the reply topic's name where they may be batched (one
-    partition for all that goes there, so that a request's batches and single events keep their
-    order), else the request id."""
-    to = topics.reply_topic(headers)
-    return to if to is not None and takes_batches(headers) else request_id
+def reply_key(request_id: str, to: str | None, headers: Headers) -> str:
+    """The key of a request's token events, `to` its reply topic (`topics.reply_topic`, None: the
+    shared topic): the reply topic's name where they may be batched (one partition for all that
+    goes there, so that a request's batches and single events keep their order), else the id."""
+    return to if to is not None and asks_for_batches(headers) else request_id
 
 
 def batch_events(outgoing: list[Outgoing]) -> list[Outgoing]:
@@ -123,7 +122,7 @@ def batch_events(outgoing: list[Outgoing]) -> list[Outgoing]:
     open_: dict[tuple[str, bytes | None], list[Outgoing]] = {}  # (topic, content type) -> its batch
     for out in outgoing:
         event, to = out.message, out.to
-        if to is None or not isinstance(event, TokenEvent) or not takes_batches(out.headers):
+        if to is None or not isinstance(event, TokenEvent) or not asks_for_batches(out.headers):
             merged.append(out)
             continue
         if event.logprobs is not None or event.prompt_logprobs is not None:

@@ -121,8 +121,8 @@ def shard_of(request_id: str, shards: int) -> int:
 
 def tokens_out(event: TokenEvent, headers: Headers) -> Outgoing:
     """A token event, to the request's reply topic if it named one, else the shared one."""
-    key = replies.reply_key(event.request_id, headers)
-    return Outgoing(topics.TOKENS, event, key, headers, topics.reply_topic(headers))
+    to = topics.reply_topic(headers)
+    return Outgoing(topics.TOKENS, event, replies.reply_key(event.request_id, to, headers), headers, to)
 
 
 def error_event(

@@ -157,7 +157,7 @@ def _event_out(request_id, index, to="t.tokens.0123456789ab", json=False, **fiel
     if json:
         headers += ((topics.CONTENT_TYPE, topics.JSON),)
     event = TokenEvent(request_id=request_id, index=index, token_ids=(index,), **fields)
-    return Outgoing(topics.TOKENS, event, replies.reply_key(request_id, headers), headers, to)
+    return Outgoing(topics.TOKENS, event, replies.reply_key(request_id, to, headers), headers, to)
 
 
 def _shape(outgoing):
