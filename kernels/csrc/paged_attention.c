@@ -30,9 +30,10 @@
  *     For head_dim 64 and 128 (`run_item_dpbf16`) the loops are blocked for the registers: 16
  *     keys' dot products summed by one transpose-and-add tree, each KV head's V rows widened once
  *     for all the query heads that read them, a head's accumulator held in registers across a
- *     tile, and the next tile's K and V prefetched into L2 (measured on an AVX512-BF16 EPYC,
- *     batch 64 at 400 keys: 1.4-1.6x the per-key loop below);
+ *     tile (measured on an AVX512-BF16 EPYC, batch 64 at 400 keys: 1.4-1.6x the per-key loop below);
  *   - otherwise (e.g. head_dim 8 with AVX-512) scalar loops, which the compiler vectorizes as it can.
+ * Every path first loads a tile's K and V rows in address order (touch_tile), except where the
+ * item before on the same thread read the same rows (a prefill chunk's rows: they are in cache).
  * Threads: an OpenMP team (the same libgomp that torch loaded, so the same thread pool as torch's
  * own ops and no second set of spinning threads) splits the items by cost, i.e. keys read.
  *
@@ -167,6 +168,31 @@ static inline int first_key(const Problem *pr, int seq_len) {
     return pr->sliding_window > 0 && seq_len > pr->sliding_window ? seq_len - pr->sliding_window : 0;
 }
 
+/* Loads every cache line of a tile's K and V rows, in address order, before the tile is computed
+ * head by head (which reads each row in strided pieces; the loads then hit the cache). From DRAM
+ * the per-head order alone streamed at 16 GB/s on two cores, and software prefetches a tile ahead,
+ * at any distance or spread over the tile's work, did not help (16-17 GB/s); these loads keep many
+ * misses in flight: 25 GB/s (small-llama's decode batch over its layers' 2 GiB pool on an
+ * AVX512-BF16 EPYC; loadtest/cpu_attention_bench.py's "from DRAM" cases). Whole-line vector loads:
+ * one scalar load per line measured 20 GB/s. */
+static inline void touch_tile(const char *k_base, const char *v_base, const int64_t *rows, int n, int64_t width_bytes) {
+    vu sink = {0};
+    for (int t = 0; t < n; t++)
+        for (int64_t byte = 0; byte < width_bytes; byte += 64) {
+            const char *k = k_base + rows[t] + byte, *v = v_base + rows[t] + byte;
+            if (byte + 64 <= width_bytes) {
+                vu a, c;
+                memcpy(&a, k, sizeof a);
+                memcpy(&c, v, sizeof c);
+                sink |= a | c;
+            } else { /* a row narrower than a line: never load past it (the pool may end there) */
+                sink[0] |= (uint32_t)(unsigned char)*k | (uint32_t)(unsigned char)*v;
+            }
+        }
+    static _Thread_local volatile vu touched; /* the loads' only use: the compiler must keep them */
+    touched = sink;
+}
+
 /* <q, k> over head_dim elements; q fp32, k in the cache dtype. */
 static inline float dot(const Problem *pr, const float *q, const char *k, int vector) {
     const int D = pr->head_dim;
@@ -236,7 +262,7 @@ static inline __m512 hsum16(const __m512 *v) {
  * that a head's accumulator and q live in registers). Per tile and KV head: the scores of 16
  * keys at a time for each query head of the group (VDPBF16PS, then one hsum16), the online
  * softmax, the head's V rows widened to fp32 once, and acc += w * v with acc in registers. */
-static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem *pr, int64_t item, const int D) {
+static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem *pr, int64_t item, const int D, int touch) {
     const int hpi = pr->kv_heads_per_item;
     const int group = pr->num_q_heads / pr->num_kv_heads;
     const int heads = hpi * group;
@@ -276,16 +302,7 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
             const int p = start + t;
             rows[t] = slot_of(pr, table, p) * row_bytes;
         }
-        if (start == first) /* the first tile's V; later tiles' K and V come a tile ahead */
-            for (int t = 0; t < n; t++)
-                for (int64_t byte = 0; byte < width_bytes; byte += 64) __builtin_prefetch(v_base + rows[t] + byte);
-        for (int p = start + TILE; p < start + 2 * TILE && p < seq_len; p++) {
-            const int64_t row = slot_of(pr, table, p) * row_bytes;
-            for (int64_t byte = 0; byte < width_bytes; byte += 64) {
-                __builtin_prefetch(k_base + row + byte, 0, 2);
-                __builtin_prefetch(v_base + row + byte, 0, 2);
-            }
-        }
+        if (touch) touch_tile(k_base, v_base, rows, n, width_bytes);
 
         for (int hh = 0; hh < hpi; hh++) {
             const char *kh = k_base + (int64_t)hh * D * 2, *vh = v_base + (int64_t)hh * D * 2;
@@ -337,14 +354,14 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
 }
 #endif
 
-static void run_item(const Problem *pr, int64_t item) {
+static void run_item(const Problem *pr, int64_t item, int touch) {
 #if HAVE_DPBF16
     if (pr->dtype == DTYPE_BF16 && pr->head_dim == 64) {
-        run_item_dpbf16(pr, item, 64);
+        run_item_dpbf16(pr, item, 64, touch);
         return;
     }
     if (pr->dtype == DTYPE_BF16 && pr->head_dim == 128) {
-        run_item_dpbf16(pr, item, 128);
+        run_item_dpbf16(pr, item, 128, touch);
         return;
     }
 #endif
@@ -391,16 +408,7 @@ static void run_item(const Problem *pr, int64_t item) {
             const int p = start + t;
             rows[t] = slot_of(pr, table, p) * row_bytes;
         }
-        /* The rows are scattered over blocks the hardware prefetcher cannot guess: ask for the
-         * next tile's K rows and this tile's V rows while this tile's keys are computed. */
-        for (int p = start + TILE; p < start + 2 * TILE && p < seq_len; p++) {
-            const int64_t row = slot_of(pr, table, p);
-            const char *k = k_base + row * row_bytes;
-            for (int64_t byte = 0; byte < width * pr->elem; byte += 64) __builtin_prefetch(k + byte);
-        }
-        for (int t = 0; t < n; t++)
-            for (int64_t byte = 0; byte < width * pr->elem; byte += 64)
-                __builtin_prefetch(v_base + rows[t] + byte);
+        if (touch) touch_tile(k_base, v_base, rows, n, (int64_t)width * pr->elem);
 
         for (int j = 0; j < heads; j++) {
             const int64_t kv_off = (int64_t)(j / group) * head_bytes;
@@ -432,6 +440,12 @@ static void run_item(const Problem *pr, int64_t item) {
         const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
         for (int d = 0; d < D; d++) dst[d] = acc[(int64_t)j * D + d] * inv;
     }
+}
+
+/* Whether items a and c read the same K/V rows (up to c's extra keys): two rows of one prefill
+ * chunk, each item all KV heads. Then c's rows are in cache after a's, and c skips touch_tile. */
+static inline int same_keys(const Problem *pr, int64_t a, int64_t c) {
+    return pr->kv_heads_per_item == pr->num_kv_heads && pr->row_seq && pr->row_seq[a] == pr->row_seq[c];
 }
 
 /* Keys an item reads: its cost for the split between threads. */
@@ -496,13 +510,14 @@ int paged_attention_rows(
         {
             int64_t lo, hi;
             cost_range(&pr, item_begin, item_end, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
-            for (int64_t item = lo; item < hi; item++) run_item(&pr, item);
+            for (int64_t item = lo; item < hi; item++) run_item(&pr, item, item == lo || !same_keys(&pr, item - 1, item));
         }
         return 0;
     }
 #endif
     (void)num_threads;
-    for (int64_t item = item_begin; item < item_end; item++) run_item(&pr, item);
+    for (int64_t item = item_begin; item < item_end; item++)
+        run_item(&pr, item, item == item_begin || !same_keys(&pr, item - 1, item));
     return 0;
 }
 
