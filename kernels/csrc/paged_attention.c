@@ -23,7 +23,7 @@
  * Vector paths, chosen when the library is compiled (-march=native: the build is keyed by the
  * CPU, so the compile-time choice is the runtime one):
  *   - the dot products and the V accumulation run on VL-lane fp32 vectors (GCC vector extensions:
- *     one zmm with AVX-512, two ymm with AVX2), bf16 rows widened by a shift, when head_dim % VL == 0;
+ *     one zmm with AVX-512, one ymm with AVX2), bf16 rows widened by a shift, when head_dim % VL == 0;
  *   - with AVX512-BF16 and a bf16 cache, q.k is VDPBF16PS on bf16 pairs. q is the model's bf16
  *     activation widened to fp32 by the caller, so narrowing it back is exact, and each product of
  *     two bf16 numbers is exact in fp32: only the summation order differs from the fp32 path.
@@ -58,7 +58,15 @@
 #define MAX_HEAD_DIM 256
 #define MAX_HEADS 128 /* query heads served by one work item */
 #define MAX_WIDTH 512 /* K/V elements of one token that one work item reads */
-#define VL 16         /* fp32 lanes of the vector type */
+/* fp32 lanes of the vector type: one register. A 16-lane type on AVX2 (two ymm per value) compiled
+ * to code 5-6x slower than 8 lanes (tiny- and small-llama decode batches, built for x86-64-v3). */
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__)
+#define VL 8
+#else
+#define VL 4
+#endif
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 /* Bits of parkade_attention_features(): what this build uses. */
@@ -67,6 +75,7 @@ enum { FEATURE_OPENMP = 1, FEATURE_AVX2 = 2, FEATURE_AVX512 = 4, FEATURE_AVX512_
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef uint32_t vline __attribute__((vector_size(64))); /* one cache line */
 
 int parkade_attention_features(void) {
     int f = 0;
@@ -177,12 +186,12 @@ static inline int first_key(const Problem *pr, int seq_len) {
  * AVX512-BF16 EPYC; loadtest/cpu_attention_bench.py's "from DRAM" cases). Whole-line vector loads:
  * one scalar load per line measured 20 GB/s. */
 static inline void touch_tile(const char *k_base, const char *v_base, const int64_t *rows, int n, int64_t width_bytes) {
-    vu sink = {0};
+    vline sink = {0};
     for (int t = 0; t < n; t++)
         for (int64_t byte = 0; byte < width_bytes; byte += 64) {
             const char *k = k_base + rows[t] + byte, *v = v_base + rows[t] + byte;
             if (byte + 64 <= width_bytes) {
-                vu a, c;
+                vline a, c;
                 memcpy(&a, k, sizeof a);
                 memcpy(&c, v, sizeof c);
                 sink |= a | c;
@@ -190,7 +199,7 @@ static inline void touch_tile(const char *k_base, const char *v_base, const int6
                 sink[0] |= (uint32_t)(unsigned char)*k | (uint32_t)(unsigned char)*v;
             }
         }
-    static _Thread_local volatile vu touched; /* the loads' only use: the compiler must keep them */
+    static _Thread_local volatile vline touched; /* the loads' only use: the compiler must keep them */
     touched = sink;
 }
 
