@@ -152,7 +152,7 @@ def _library() -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     fn.argtypes = [
-        ptr, ptr, ptr, i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, f32, i32, i32, i64, i64, i32,
+        ptr, ptr, ptr, i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, f32, i32, i32, i64, i64, i32, i32,
     ]  # fmt: skip
     lib.parkade_attention_features.restype = ctypes.c_int
     lib.parkade_attention_features.argtypes = []
@@ -298,11 +298,14 @@ def _attend_rows(
             for k in range(1, num_kv_heads + 1)
             if num_kv_heads % k == 0 and k * head_dim <= MAX_WIDTH and k * group <= MAX_HEADS
         )
-    qf = q.to(torch.float32).contiguous()
+    # A bf16 model's q goes in and its output comes out as bf16: no fp32 copies around the call
+    # (a build from before io_bf16, which cpu_attention_bench may load, takes fp32 only).
+    io_bf16 = q.dtype == torch.bfloat16 and _io_bf16()
+    qf = q.contiguous() if io_bf16 else q.to(torch.float32).contiguous()
     table = block_table.to(torch.int32).contiguous()
     lens = np.ascontiguousarray(row_lens, dtype=np.int32)
     seqs = None if row_seq is None else np.ascontiguousarray(row_seq, dtype=np.int32)
-    out = torch.empty(qf.shape, dtype=torch.float32)
+    out = torch.empty(qf.shape, dtype=qf.dtype)
     fn = _library().paged_attention_rows
 
     def run(begin: int, end: int, num_threads: int = 1) -> None:
@@ -310,7 +313,7 @@ def _attend_rows(
             qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
             table.data_ptr(), table.stride(0), lens.ctypes.data, None if seqs is None else seqs.ctypes.data,
             out.data_ptr(), num_q_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
-            heads_per_item, begin, end, num_threads,
+            heads_per_item, begin, end, num_threads, io_bf16,
         )  # fmt: skip
         if rc:  # the checks above make this unreachable; never run with unchecked buffers
             raise RuntimeError("paged_attention_rows rejected its shapes")
@@ -328,7 +331,11 @@ def _attend_rows(
         pool = _thread_pool(threads)
         for future in [pool.submit(run, a, b) for a, b in _split_by_cost(costs, threads)]:
             future.result()
-    return out.to(q.dtype)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _io_bf16() -> bool:
+    return hasattr(_library(), "parkade_attention_io_bf16")
 
 
 def decode_attention(

@@ -77,6 +77,9 @@ typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 typedef uint32_t vline __attribute__((vector_size(64))); /* one cache line */
 
+/* Present since q and out may be bf16 (the io_bf16 argument): older builds take fp32 only. */
+int parkade_attention_io_bf16(void) { return 1; }
+
 int parkade_attention_features(void) {
     int f = 0;
 #ifdef _OPENMP
@@ -158,16 +161,60 @@ static inline float softmax_tile(float *s, int n, float *m, float *l) {
 }
 
 typedef struct {
-    const float *q;
+    const void *q; /* io_bf16: q and out are bf16 (a bf16 model's activations), else fp32 */
     const void *k_cache, *v_cache;
     int dtype, elem;
     const int32_t *block_table;
     int64_t table_stride;
     const int32_t *seq_lens, *row_seq;
-    float *out;
-    int num_q_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_heads_per_item;
+    void *out;
+    int num_q_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_heads_per_item, io_bf16;
     float scale;
 } Problem;
+
+/* fp32 -> bf16, rounded to nearest even (NaN -> 0x7FC0): torch's own conversion, bit for bit. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* n query elements from element `offset` of q, as fp32 in dst. */
+static inline void load_q(const Problem *pr, int64_t offset, int n, float *dst) {
+    if (pr->io_bf16) {
+        const uint16_t *src = (const uint16_t *)pr->q + offset;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)pr->q + offset, sizeof(float) * (size_t)n);
+    }
+}
+
+/* n query elements from element `offset` of q, as bf16 in dst (q holds bf16 values either way:
+ * a bf16 cache's model computes in bf16, and the caller widens it exactly, so truncation is exact). */
+static inline void load_q_bf16(const Problem *pr, int64_t offset, int n, uint16_t *dst) {
+    if (pr->io_bf16) {
+        memcpy(dst, (const uint16_t *)pr->q + offset, sizeof(uint16_t) * (size_t)n);
+        return;
+    }
+    const float *src = (const float *)pr->q + offset;
+    for (int i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, src + i, sizeof u);
+        dst[i] = (uint16_t)(u >> 16);
+    }
+}
+
+/* out[offset + d] = acc[d] * inv for d < n, in the output's dtype. */
+static inline void store_out(const Problem *pr, int64_t offset, const float *acc, float inv, int n) {
+    if (pr->io_bf16) {
+        uint16_t *dst = (uint16_t *)pr->out + offset;
+        for (int d = 0; d < n; d++) dst[d] = f32_to_bf16(acc[d] * inv);
+    } else {
+        float *dst = (float *)pr->out + offset;
+        for (int d = 0; d < n; d++) dst[d] = acc[d] * inv;
+    }
+}
 
 /* The pool slot (row) of key position p, through its request's block-table row. */
 static inline int64_t slot_of(const Problem *pr, const int32_t *table, int p) {
@@ -319,7 +366,7 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
     const int h0 = (int)(item % items_per_seq) * hpi;
     const int seq_len = pr->seq_lens[b];
     const int first = first_key(pr, seq_len);
-    const float *qb = pr->q + (b * pr->num_q_heads + (int64_t)h0 * group) * D;
+    const int64_t q_offset = (b * pr->num_q_heads + (int64_t)h0 * group) * D;
     const int32_t *table = pr->block_table + (pr->row_seq ? pr->row_seq[b] : b) * pr->table_stride;
     const int64_t row_bytes = (int64_t)pr->num_kv_heads * D * 2;
     const int64_t width_bytes = (int64_t)hpi * D * 2;
@@ -332,11 +379,7 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
     float scores[MAX_HEADS * TILE] __attribute__((aligned(64)));
     float m[MAX_HEADS], l[MAX_HEADS], corr[MAX_HEADS];
     int64_t rows[TILE];
-    for (int i = 0; i < heads * D; i++) { /* truncation: exact for the bf16 values the caller widened */
-        uint32_t u;
-        memcpy(&u, qb + i, sizeof u);
-        qh[i] = (uint16_t)(u >> 16);
-    }
+    load_q_bf16(pr, q_offset, heads * D, qh);
     for (int j = 0; j < heads; j++) {
         m[j] = -INFINITY;
         l[j] = 0.0f;
@@ -401,11 +444,8 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
             }
         }
     }
-    for (int j = 0; j < heads; j++) {
-        float *dst = pr->out + (b * pr->num_q_heads + (int64_t)h0 * group + j) * D;
-        const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
-        for (int d = 0; d < D; d++) dst[d] = acc[(int64_t)j * D + d] * inv;
-    }
+    for (int j = 0; j < heads; j++)
+        store_out(pr, q_offset + (int64_t)j * D, acc + (int64_t)j * D, l[j] > 0.0f ? 1.0f / l[j] : 0.0f, D);
 }
 #endif
 
@@ -430,7 +470,7 @@ static void run_item(const Problem *pr, int64_t item, int touch) {
     const int h0 = (int)(item % items_per_seq) * hpi; /* first KV head */
     const int seq_len = pr->seq_lens[b];
     const int first = first_key(pr, seq_len);
-    const float *qb = pr->q + (b * pr->num_q_heads + (int64_t)h0 * group) * D;
+    const int64_t q_offset = (b * pr->num_q_heads + (int64_t)h0 * group) * D;
     const int32_t *table = pr->block_table + (pr->row_seq ? pr->row_seq[b] : b) * pr->table_stride;
     const int64_t row_bytes = (int64_t)pr->num_kv_heads * D * pr->elem;
     const int64_t head_bytes = (int64_t)D * pr->elem;
@@ -438,19 +478,17 @@ static void run_item(const Problem *pr, int64_t item, int touch) {
     const char *v_base = (const char *)pr->v_cache + (int64_t)h0 * head_bytes;
 
     static _Thread_local float acc[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    static _Thread_local float qb[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
     float scores[MAX_HEADS * TILE];
     float m[MAX_HEADS], l[MAX_HEADS];
     int64_t rows[TILE]; /* byte offsets of this tile's token rows in the pool */
 #if HAVE_DPBF16
     static _Thread_local uint16_t qh[MAX_HEADS * MAX_HEAD_DIM] __attribute__((aligned(64)));
     const int use_dpbf16 = pr->dtype == DTYPE_BF16 && D % 32 == 0;
-    if (use_dpbf16) /* truncation: exact for the bf16 values the caller widened */
-        for (int i = 0; i < heads * D; i++) {
-            uint32_t u;
-            memcpy(&u, qb + i, sizeof u);
-            qh[i] = (uint16_t)(u >> 16);
-        }
+    if (use_dpbf16) load_q_bf16(pr, q_offset, heads * D, qh);
+    else
 #endif
+        load_q(pr, q_offset, heads * D, qb);
     for (int j = 0; j < heads; j++) {
         m[j] = -INFINITY;
         l[j] = 0.0f;
@@ -490,11 +528,8 @@ static void run_item(const Problem *pr, int64_t item, int touch) {
                 axpy(pr, acc + (int64_t)j * D, scores[j * TILE + t], row + (int64_t)(j / group) * head_bytes, vector);
         }
     }
-    for (int j = 0; j < heads; j++) {
-        float *dst = pr->out + (b * pr->num_q_heads + (int64_t)h0 * group + j) * D;
-        const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
-        for (int d = 0; d < D; d++) dst[d] = acc[(int64_t)j * D + d] * inv;
-    }
+    for (int j = 0; j < heads; j++)
+        store_out(pr, q_offset + (int64_t)j * D, acc + (int64_t)j * D, l[j] > 0.0f ? 1.0f / l[j] : 0.0f, D);
 }
 
 /* Whether items a and c read the same K/V rows (up to c's extra keys): two rows of one prefill
@@ -538,7 +573,7 @@ static void cost_range(const Problem *pr, int64_t begin, int64_t end, int parts,
  * num_threads > 1: split [item_begin, item_end) over an OpenMP team of that many (when built with
  * OpenMP; the caller splits otherwise). */
 int paged_attention_rows(
-    const float *q,              /* [num_rows, num_q_heads, head_dim] */
+    const void *q,               /* [num_rows, num_q_heads, head_dim], fp32 or (io_bf16) bf16 */
     const void *k_cache,         /* [num_blocks, block_size, num_kv_heads, head_dim] */
     const void *v_cache,
     int dtype,
@@ -546,18 +581,18 @@ int paged_attention_rows(
     int64_t table_stride,
     const int32_t *seq_lens,     /* [num_rows]: keys each row sees (its position + 1) */
     const int32_t *row_seq,      /* [num_rows]: each row's block-table row; NULL: row b uses row b */
-    float *out,                  /* [num_rows, num_q_heads, head_dim] */
+    void *out,                   /* [num_rows, num_q_heads, head_dim], q's dtype */
     int num_q_heads, int num_kv_heads, int head_dim, int block_size,
     float scale, int sliding_window, /* 0: none */
     int kv_heads_per_item,       /* divides num_kv_heads */
-    int64_t item_begin, int64_t item_end, int num_threads) {
+    int64_t item_begin, int64_t item_end, int num_threads, int io_bf16) {
     const int group = num_q_heads / num_kv_heads;
     if (head_dim > MAX_HEAD_DIM || kv_heads_per_item * group > MAX_HEADS ||
         kv_heads_per_item * head_dim > MAX_WIDTH || num_kv_heads % kv_heads_per_item)
         return -1;
     const Problem pr = {
         q, k_cache, v_cache, dtype, dtype == DTYPE_BF16 ? 2 : 4, block_table, table_stride, seq_lens, row_seq, out,
-        num_q_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_heads_per_item, scale,
+        num_q_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_heads_per_item, io_bf16, scale,
     };
 #ifdef _OPENMP
     if (num_threads > 1) {
