@@ -6,8 +6,9 @@ against the same kernel at another git revision, in one process. Prints one JSON
 Each case is a batch of decode rows (one query per request, its context in shuffled blocks of
 16) or one fresh prompt's prefill rows, bf16 K/V, at the heads of the anchors' tiny-llama (4 query
 heads over 2 KV heads of 64), small-llama (12 over 4 of 64) and an 8B-like layer (32 over 8 of
-128). The first decode cases fit the L3 cache; the "from DRAM" ones attend a pool per layer in turn,
-as a server's step does, so that their K/V comes from memory (the time and GB/s are per call).
+128). The tiny- and small-llama decode cases fit a 32 MiB L3 cache and are re-read from it; the
+"from DRAM" ones attend a pool per layer in turn, as a server's step does, so that their K/V comes
+from memory (the time and GB/s are per call).
 Both builds run every case alternately `--repeat` times; the best time of each is reported,
 with GB/s of K/V read for the decode cases and the largest difference between the two outputs.
 `--against` is any revision whose tree has the kernel source (7642e8a: the per-key loop before the

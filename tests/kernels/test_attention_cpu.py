@@ -84,6 +84,18 @@ def test_mixed_prefill_and_decode_rows_on_threads(two_threads, dtype, head_dim, 
     torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("head_dim", [64, 48])  # the VDPBF16PS path (where the CPU has it) and the vector one
+def test_bf16_q_in_and_out_equals_the_fp32_call_rounded(two_threads, head_dim):
+    # A bf16 q crosses the call as bf16 and the kernel rounds its output: bit for bit what the
+    # same call on q widened to fp32 gives, rounded by torch.
+    case = decode_case(48, torch.bfloat16, num_q_heads=12, num_kv_heads=4, head_dim=head_dim)
+    args = (case.k_cache, case.v_cache, case.block_table, list(case.seq_lens), head_dim**-0.5, None)
+    got = attention_cpu.decode_attention(case.q, *args)
+    wide = attention_cpu.decode_attention(case.q.float(), *args)
+    assert got.dtype == torch.bfloat16 and wide.dtype == torch.float32
+    assert torch.equal(got, wide.to(torch.bfloat16))
+
+
 def test_the_kernel_reports_what_it_uses():
     names = attention_cpu.features()
     assert set(names) <= {"avx2", "avx512", "avx512_bf16", "openmp"}
