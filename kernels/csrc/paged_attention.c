@@ -124,17 +124,19 @@ static inline float vsum(vf v) {
 
 /* exp(x) for x <= 0, to about 2 ulp; branch-free so that loops over it vectorize (libm's expf is a
  * call per element). Below -87 it returns 0 (the online softmax feeds it -inf on its first tile). */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f /* ln 2 = HI - LO (Cody-Waite) */
+#define EXP_LN2_LO 2.12194440e-4f
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 static inline float exp_nonpositive(float x) {
     const float clamped = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_roundf(clamped * 1.44269504088896341f);
+    const float n = __builtin_roundf(clamped * EXP_LOG2E);
     /* Two-constant ln 2 (Cody-Waite) with explicit fmaf: -fassociative-math must not fold them. */
-    const float r = fmaf(n, 2.12194440e-4f, fmaf(n, -0.693359375f, clamped));
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    const float r = fmaf(n, EXP_LN2_LO, fmaf(n, -EXP_LN2_HI, clamped));
+    float p = EXP_POLY[0];
+    for (int i = 1; i < 6; i++) p = p * r + EXP_POLY[i];
     p = p * r * r + r + 1.0f;
     const int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
@@ -318,16 +320,12 @@ static inline __m512 hsum16(const __m512 *v) {
 /* exp_nonpositive on 16 lanes (the same steps). */
 static inline __m512 exp512_nonpositive(__m512 x) {
     const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                     _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), clamped));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO),
+                                     _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_LN2_HI), clamped));
+    __m512 p = _mm512_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[i]));
     p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
@@ -538,6 +536,11 @@ static inline int same_keys(const Problem *pr, int64_t a, int64_t c) {
     return pr->kv_heads_per_item == pr->num_kv_heads && pr->row_seq && pr->row_seq[a] == pr->row_seq[c];
 }
 
+/* Items [lo, hi) in order, on one thread. */
+static void run_items(const Problem *pr, int64_t lo, int64_t hi) {
+    for (int64_t item = lo; item < hi; item++) run_item(pr, item, item == lo || !same_keys(pr, item - 1, item));
+}
+
 /* Keys an item reads: its cost for the split between threads. */
 static inline int64_t item_cost(const Problem *pr, int64_t item) {
     const int64_t b = item / (pr->num_kv_heads / pr->kv_heads_per_item);
@@ -600,14 +603,13 @@ int paged_attention_rows(
         {
             int64_t lo, hi;
             cost_range(&pr, item_begin, item_end, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
-            for (int64_t item = lo; item < hi; item++) run_item(&pr, item, item == lo || !same_keys(&pr, item - 1, item));
+            run_items(&pr, lo, hi);
         }
         return 0;
     }
 #endif
     (void)num_threads;
-    for (int64_t item = item_begin; item < item_end; item++)
-        run_item(&pr, item, item == item_begin || !same_keys(&pr, item - 1, item));
+    run_items(&pr, item_begin, item_end);
     return 0;
 }
 
