@@ -126,9 +126,14 @@ def is_json(content_type: bytes | None) -> bool:
     return content_type is not None and content_type.split(b";")[0].strip().lower() == JSON
 
 
+def header(headers: tuple[tuple[str, bytes], ...], name: str) -> bytes | None:
+    """The first value of header `name`, if any."""
+    return next((v for k, v in headers if k == name), None)
+
+
 def reply_topic(headers: tuple[tuple[str, bytes], ...]) -> str | None:
     """The reply topic a request's headers name, if any and valid (Kafka's topic name rules)."""
-    value = next((v for k, v in headers if k == REPLY_TOPIC), None)
+    value = header(headers, REPLY_TOPIC)
     if value is None:
         return None
     name = value.decode(errors="replace")

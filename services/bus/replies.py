@@ -130,7 +130,7 @@ def batch_events(outgoing: list[Outgoing]) -> list[Outgoing]:
                 del open_[slot]
             merged.append(out)
             continue
-        slot = (to, _header(out.headers, topics.CONTENT_TYPE))
+        slot = (to, topics.header(out.headers, topics.CONTENT_TYPE))
         batch = open_.get(slot)
         if batch is None or len(batch) >= MAX_BATCH_EVENTS:
             batch = open_[slot] = []
@@ -143,16 +143,12 @@ def _batch_record(parts: list[Outgoing]) -> Outgoing:
     first = parts[0]
     if len(parts) == 1:
         return first
-    content_type = _header(first.headers, topics.CONTENT_TYPE)
+    content_type = topics.header(first.headers, topics.CONTENT_TYPE)
     batch = TokenEventBatch(
         events=tuple(p.message for p in parts),
         traceparents=tuple(
-            (_header(p.headers, "traceparent") or b"").decode(errors="replace") for p in parts
+            (topics.header(p.headers, "traceparent") or b"").decode(errors="replace") for p in parts
         ),
     )
     headers: Headers = ((topics.CONTENT_TYPE, content_type),) if content_type is not None else ()
     return Outgoing(topics.TOKENS, batch, first.to, headers, first.to, tuple(parts))
-
-
-def _header(headers: Headers, name: str) -> bytes | None:
-    return next((v for k, v in headers if k == name), None)

@@ -310,7 +310,7 @@ class TokenizerHandler(ReplicaRouting, Service):
                 return []  # a redelivered request
             error = f"request id {request_id!r} is in use by a live request"
             return [error_event(request_id, error, ErrorKind.INVALID_REQUEST, headers)]
-        named = next((v for k, v in headers if k == topics.REPLY_TOPIC), None)
+        named = topics.header(headers, topics.REPLY_TOPIC)
         if named is not None and topics.reply_topic(headers) is None:
             error = f"invalid reply-topic header {named[:300]!r}"
             return [error_event(request_id, error, ErrorKind.INVALID_REQUEST, headers)]
