@@ -6,7 +6,8 @@ mask. A prefill chunk's row at position p is attended like a decode over keys 0.
 vector units the CPU has (AVX-512 with VDPBF16PS dot products, AVX-512, AVX2: `features()` says
 which), built on first use with the system C compiler (`-O3 -march=native -fopenmp`, about a
 second; $PARKADE_CPU_MARCH picks another -march) into `$PARKADE_HOME/kernels/`, keyed by source,
-flags, compiler and CPU, and called through ctypes, which releases the GIL.
+flags, compiler and CPU, and called through ctypes, which releases the GIL. The same library holds
+`csrc/race.c`, the sampler's exponential race (`kernels/race.py`): one build, one load.
 
 Threads: the kernel splits its work items (query row, KV heads) by cost over an OpenMP team of
 `torch.get_num_threads()`. It links the libgomp that torch itself loaded (same soname: the loader
@@ -41,11 +42,15 @@ import torch
 from parkade.kernels import attention_torch
 from parkade.kernels.metadata import host_lengths
 
-__all__ = ["available", "build", "decode_attention", "features", "paged_attention_varlen", "write_kv_cache"]
+__all__ = [
+    "available", "build", "decode_attention", "features", "library", "paged_attention_varlen",
+    "write_kv_cache",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+RACE_SOURCE = SOURCE.with_name("race.c")  # compiled into the same library
 # -fassociative-math (with the two flags it needs) lets the compiler vectorize the dot products'
 # reductions; no -ffinite-math-only: the online softmax starts from -inf.
 CFLAGS = (
@@ -94,9 +99,10 @@ def _cache_dir() -> Path:
 
 
 def _build_library(compiler: str, version: str, flags: tuple[str, ...]) -> Path:
-    """Compile the kernel with `flags` unless a build of this source, flags, compiler and CPU exists."""
+    """Compile the kernels with `flags` unless a build of these sources, flags, compiler and CPU exists."""
+    sources = (SOURCE, RACE_SOURCE)
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), *flags, compiler, version, _cpu_identity()]).encode()
+        "\0".join([*(s.read_text() for s in sources), *flags, compiler, version, _cpu_identity()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"paged_attention-{key}.so"
     if target.exists():
@@ -106,7 +112,7 @@ def _build_library(compiler: str, version: str, flags: tuple[str, ...]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     try:
-        command = [compiler, *flags, str(SOURCE), "-o", tmp, "-lm"]
+        command = [compiler, *flags, *map(str, sources), "-o", tmp, "-lm"]
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as error:  # e.g. the 300 s timeout
@@ -132,7 +138,7 @@ def _openmp_runtimes() -> set[str]:
 
 
 @cache
-def _library() -> ctypes.CDLL:
+def library() -> ctypes.CDLL:
     """Build (once per source, flags, compiler and CPU) and load the kernel library: with OpenMP
     where the compiler has it, else without (the Python threads split the work then)."""
     compiler = _compiler()
@@ -158,19 +164,23 @@ def _library() -> ctypes.CDLL:
     lib.parkade_attention_features.argtypes = []
     lib.parkade_write_kv.restype = ctypes.c_int
     lib.parkade_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    lib.parkade_race.restype = ctypes.c_int
+    lib.parkade_race.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
+    lib.parkade_race_log.restype = None
+    lib.parkade_race_log.argtypes = [ptr, ptr, i64]
     return lib
 
 
 @cache
 def _shared_openmp() -> bool:
     """Whether the kernel's OpenMP team is torch's own: built with OpenMP, and one runtime mapped."""
-    return bool(_library().parkade_attention_features() & 1) and len(_openmp_runtimes()) == 1
+    return bool(library().parkade_attention_features() & 1) and len(_openmp_runtimes()) == 1
 
 
 def features() -> list[str]:
     """What the built kernel uses here: `avx2`, `avx512`, `avx512_bf16` (dot products on bf16
     pairs), and `openmp` when its threads are torch's pool. Builds the kernel if needed."""
-    bits = _library().parkade_attention_features()
+    bits = library().parkade_attention_features()
     names = [name for bit, name in _FEATURES.items() if bits & bit and name != "openmp"]
     return names + (["openmp"] if _shared_openmp() else [])
 
@@ -178,7 +188,7 @@ def features() -> list[str]:
 def build() -> None:
     """Build and load the kernel now; ValueError says why it cannot run here."""
     try:
-        _library()
+        library()
     except (KernelBuildError, OSError) as error:
         raise ValueError(f"the CPU attention kernel cannot run here: {error}") from error
 
@@ -265,7 +275,7 @@ def write_kv_cache(
         return
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     row_bytes = key[0].numel() * key.element_size() if key.shape[0] else 0
-    rc = _library().parkade_write_kv(
+    rc = library().parkade_write_kv(
         key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
         key.shape[0], num_slots, row_bytes,
         key.stride(0) * key.element_size(), value.stride(0) * value.element_size(),
@@ -306,7 +316,7 @@ def _attend_rows(
     lens = np.ascontiguousarray(row_lens, dtype=np.int32)
     seqs = None if row_seq is None else np.ascontiguousarray(row_seq, dtype=np.int32)
     out = torch.empty(qf.shape, dtype=qf.dtype)
-    fn = _library().paged_attention_rows
+    fn = library().paged_attention_rows
 
     def run(begin: int, end: int, num_threads: int = 1) -> None:
         rc = fn(
@@ -335,7 +345,7 @@ def _attend_rows(
 
 
 def _io_bf16() -> bool:
-    return hasattr(_library(), "parkade_attention_io_bf16")
+    return hasattr(library(), "parkade_attention_io_bf16")
 
 
 def decode_attention(

@@ -98,8 +98,8 @@ def _prefill_case(q_heads: int, kv_heads: int, head_dim: int, length: int) -> di
 def _use(source: Path) -> None:
     """Build (cached by source) and load the kernel from `source`."""
     attention_cpu.SOURCE = source
-    attention_cpu._library.cache_clear()
-    attention_cpu._library()
+    attention_cpu.library.cache_clear()
+    attention_cpu.library()
 
 
 def _time(fn, seconds: float = 0.3) -> float:

@@ -134,12 +134,12 @@ def test_a_missing_compiler_is_reported(monkeypatch):
         raise attention_cpu.KernelBuildError("no C compiler found")
 
     monkeypatch.setattr(attention_cpu, "_compiler", no_compiler)
-    attention_cpu._library.cache_clear()
+    attention_cpu.library.cache_clear()
     try:
         with pytest.raises(ValueError, match="no C compiler"):
             get_attention_backend("cpu", torch.device("cpu"))
     finally:
-        attention_cpu._library.cache_clear()
+        attention_cpu.library.cache_clear()
 
 
 def test_a_compiler_that_hangs_is_reported(monkeypatch, tmp_path):
@@ -152,13 +152,13 @@ def test_a_compiler_that_hangs_is_reported(monkeypatch, tmp_path):
         return real_run(command, **kwargs)
 
     monkeypatch.setattr(attention_cpu.subprocess, "run", hanging_compile)
-    attention_cpu._library.cache_clear()
+    attention_cpu.library.cache_clear()
     try:
         with pytest.raises(ValueError, match="timed out"):
             attention_cpu.build()
         assert not list((tmp_path / "kernels").glob("*.so"))  # no half-built library left behind
     finally:
-        attention_cpu._library.cache_clear()
+        attention_cpu.library.cache_clear()
 
 
 ISA_CHILD = """
