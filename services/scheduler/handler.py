@@ -316,6 +316,7 @@ class SchedulerHandler(Service):
     def _build_scheduler(self, geometry: KVGeometry, executor_id: str) -> None:
         try:
             self.scheduler = Scheduler(SchedulerConfig.build(self.options, geometry))
+            self.link.step_budget = self.scheduler.config.max_num_batched_tokens
             self.config_error = None
             self.publisher.attach(self.scheduler.kv.pool)
         except ValueError as error:

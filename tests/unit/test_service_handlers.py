@@ -284,6 +284,30 @@ def test_scheduler_handler_waits_for_an_executor_and_keeps_two_steps_in_flight()
     assert handler.on_announcement(announce()) == []  # heartbeat
 
 
+def test_full_steps_go_two_deep_and_small_ones_three():
+    handler = SchedulerHandler(SchedulingOptions(max_num_batched_tokens=8))  # 3 in flight at most
+    handler.on_announcement(announce())
+    for request_id in "abcd":  # 24 prompt tokens: full steps of 8
+        handler.on_tokenized(engine_request(request_id))
+    plans = [o.message for o in handler.next_plans()]
+    assert len(plans) == 2  # no third behind two that hold a step's budget
+    assert handler.link.tokens_in_flight == sum(sum(p.num_scheduled_tokens.values()) for p in plans) >= 8
+    handler.link.step_budget = None  # the depth rule off: the third goes out
+    assert len(handler.next_plans()) == 1
+    small = SchedulerHandler(SchedulingOptions(max_num_batched_tokens=8))
+    small.on_announcement(announce())
+    small.on_tokenized(engine_request("a", n=2, max_tokens=8))
+    plans = [o.message for o in small.next_plans()]
+    assert [sum(p.num_scheduled_tokens.values()) for p in plans] == [2, 1, 1]  # prefill, 2 decodes
+    ran = SchedulerHandler(SchedulingOptions(max_num_batched_tokens=8))
+    ran.on_announcement(announce())
+    for request_id in "abcd":
+        ran.on_tokenized(engine_request(request_id))
+    out = drive(ran, FakeExecutor(vocab_size=50, seed=3, block_size=4))
+    assert all(out[r][-1].finish_reason is not None for r in "abcd")
+    assert ran.link.tokens_in_flight == 0  # every result took its plan's tokens out of flight
+
+
 def test_scheduler_handler_runs_requests_to_the_end_and_refuses_impossible_ones():
     handler = SchedulerHandler(SchedulingOptions())
     handler.on_announcement(announce())
