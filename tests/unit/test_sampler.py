@@ -14,6 +14,7 @@ from parkade.schemas import SamplingParams
 from parkade.services.executor.sampler import (
     Sampler,
     _apply_penalties,
+    _filtered_logits,
     _plain_greedy,
     _process_logits,
     row_seed,
@@ -103,6 +104,18 @@ def test_filters_never_choose_filtered_tokens(params, allowed):
     mass = PROBS[sorted(allowed)].sum()
     for token in allowed:  # the kept tokens keep their relative probabilities
         assert abs(counts[token] / 4000 - PROBS[token] / mass) < 0.04
+
+
+def test_top_k_alone_keeps_what_a_full_sort_keeps_ties_included():
+    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(9)).round(decimals=1)  # ties
+    top_ks = [3, 0, 45, 1, 7]  # 0 and 45 (> vocab): no top-k for that row
+    params = [SamplingParams(temperature=1.0, top_k=k) for k in top_ks]
+    expected = x.clone()
+    for i, k in enumerate(top_ks):
+        if 0 < k < 40:
+            kth = x[i].sort(descending=True).values[k - 1]
+            expected[i] = x[i].masked_fill(x[i] < kth, float("-inf"))
+    assert torch.equal(_filtered_logits(x, params), expected)
 
 
 def test_temperature_sharpens():
