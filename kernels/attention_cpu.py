@@ -113,12 +113,13 @@ def _build_library(compiler: str, version: str, flags: tuple[str, ...]) -> Path:
     os.close(fd)
     try:
         command = [compiler, *flags, *map(str, sources), "-o", tmp, "-lm"]
+        names = " and ".join(s.name for s in sources)
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as error:  # e.g. the 300 s timeout
-            raise KernelBuildError(f"building {SOURCE.name} failed: {error}") from error
+            raise KernelBuildError(f"building {names} failed: {error}") from error
         if result.returncode:
-            raise KernelBuildError(f"building {SOURCE.name} failed:\n{result.stderr.strip()}")
+            raise KernelBuildError(f"building {names} failed:\n{result.stderr.strip()}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

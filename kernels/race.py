@@ -54,7 +54,7 @@ def uniforms(keys: Sequence[int], vocab: int, device: torch.device | str = "cpu"
     lo, hi = k & MASK32, (k >> 32) & MASK32
     j = torch.arange(vocab, dtype=torch.int64, device=device)
     h = _fmix32(_fmix32((_mul32(j, 0x9E3779B9)[None, :] + lo) & MASK32) ^ hi)
-    return (h >> 8).to(torch.float32) * 2.0**-24 + 2.0**-25
+    return ((h >> 9).to(torch.float32) + 0.5) * 2.0**-23
 
 
 def race_torch(z: torch.Tensor, temperature: Sequence[float], keys: Sequence[int]) -> torch.Tensor:
@@ -84,7 +84,7 @@ def race(z: torch.Tensor, temperature: Sequence[float], keys: Sequence[int]) -> 
             if m and vocab
             else torch.zeros(m, dtype=torch.int64, device=z.device)
         )
-    if z.dtype != torch.float32 or z.stride(1) != 1:
+    if z.dtype != torch.float32 or z.stride(1) != 1 or z.stride(0) < vocab:  # e.g. expanded rows
         z = z.to(torch.float32).contiguous()
     t = torch.tensor(temperature, dtype=torch.float32)
     k = torch.tensor([_signed(key) for key in keys], dtype=torch.int64)

@@ -28,6 +28,11 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # nothing until the end
 
 
+# vLLM's _SAMPLING_EPS: a temperature below it samples greedily. Dividing by it could overflow
+# float32 logits to inf (or, below 1.2e-38, round it to 0), where sampling means nothing.
+SAMPLING_EPS = 1e-5
+
+
 def _check(ok: bool, field: str, allowed: str, value: object) -> None:
     if not ok:
         raise ValueError(f"{field} must be {allowed}, got {value!r}")
@@ -36,7 +41,8 @@ def _check(ok: bool, field: str, allowed: str, value: object) -> None:
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Sampling and stopping rules of one request.
 
-    temperature == 0 means greedy decoding (argmax); then top_p/top_k/min_p are ignored.
+    A temperature below 1e-5 (0 included) means greedy decoding (argmax), as in vLLM;
+    then top_p/top_k/min_p are ignored.
     `logprobs=None` returns no logprobs; `logprobs=k` returns the sampled token's logprob and
     the k most likely tokens' (k may be 0).
     """
@@ -197,4 +203,4 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS

@@ -14,7 +14,8 @@
  * generator: a row's token is a pure function of (key, z[i], t[i]), the same alone or in any batch
  * and on any number of threads, and the whole row's noise costs a few integer ops per token (torch's
  * CPU uniform_ took 1.0 ms for 64 rows of 8,192 tokens; this pass takes about 0.2).
- * Ties and rows with no finite score go to the lowest index (row of -inf: id 0), as torch's argmax.
+ * Ties and rows with no finite score go to the lowest index (row of -inf: id 0), and a nan score
+ * wins (the first one), as with torch's argmax.
  */
 #include <math.h>
 #include <stdint.h>
@@ -42,11 +43,13 @@ static inline uint32_t fmix32(uint32_t h) {
     return h;
 }
 
-/* U in (0, 1) for token j of the row keyed (lo, hi): the hash's top 24 bits, centred in their
- * interval, so U is never 0 or 1 and -log(U) lies in [3e-8, 17.4] (normal floats). */
+/* U in (0, 1) for token j of the row keyed (lo, hi): the hash's top 23 bits, centred in their
+ * interval: (k + 1/2) 2^-23 for k < 2^23 is exact in float32 and lies in [2^-24, 1 - 2^-24], so U
+ * is never 0 or 1 and -log(U) lies in [6e-8, 16.7] (normal floats). (24 bits centred would not be:
+ * (2^24 - 1/2) 2^-24 rounds to 1.0.) */
 static inline float race_uniform(uint32_t lo, uint32_t hi, uint32_t j) {
     const uint32_t h = fmix32(fmix32(j * 0x9E3779B9u + lo) ^ hi);
-    return (float)(int32_t)(h >> 8) * 0x1p-24f + 0x1p-25f;
+    return ((float)(int32_t)(h >> 9) + 0.5f) * 0x1p-23f;
 }
 
 /* log(x) for a normal x > 0, to about 1 ulp of the result's scale; branch-free so that the loop over
@@ -77,18 +80,26 @@ static inline float log_positive(float x) {
     return f + y + fe * 0.693359375f;
 }
 
-/* max of s[0 .. n), n a multiple of RACE_VL; -inf when every entry is -inf or nan. */
-static inline float chunk_max(const float *s, int n) {
+/* max of s[0 .. n), n a multiple of RACE_VL, ignoring nan; *has_nan says whether there was one.
+ * -inf when every entry is -inf or nan. */
+static inline float chunk_max(const float *s, int n, int *has_nan) {
     race_vf m = {0};
     m -= INFINITY;
+    race_vi nan = {0};
     for (int j = 0; j < n; j += RACE_VL) {
         race_vf v;
         memcpy(&v, s + j, sizeof v);
         const race_vi gt = v > m; /* false for nan */
         m = (race_vf)((gt & (race_vi)v) | (~gt & (race_vi)m));
+        nan |= v != v;
     }
     float best = -INFINITY;
-    for (int l = 0; l < RACE_VL; l++) best = m[l] > best ? m[l] : best;
+    int any = 0;
+    for (int l = 0; l < RACE_VL; l++) {
+        best = m[l] > best ? m[l] : best;
+        any |= nan[l];
+    }
+    *has_nan = any;
     return best;
 }
 
@@ -110,7 +121,13 @@ static int64_t race_row(const float *z, int64_t vocab, float t, uint64_t key) {
         }
         const int padded = (n + RACE_VL - 1) / RACE_VL * RACE_VL;
         for (int j = n; j < padded; j++) s[j] = -INFINITY;
-        const float m = chunk_max(s, padded);
+        int has_nan;
+        const float m = chunk_max(s, padded, &has_nan);
+        if (has_nan) { /* as torch's argmax: the first nan wins (a broken row stays visible) */
+            int j = 0;
+            while (s[j] == s[j]) j++;
+            return c + j;
+        }
         if (m > best) { /* strictly: an equal score later in the row never displaces the first */
             int j = 0;
             while (s[j] != m) j++;

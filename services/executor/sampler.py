@@ -11,7 +11,7 @@ Per row, in this order (vLLM v1's semantics and order):
       ├─ logit_bias: logit += bias (-inf stays -inf: a bias never lifts a mask)
       ├─ repetition penalty over prompt + output ids (logit > 0: divided; < 0: multiplied)
       ├─ frequency / presence penalties over output ids: logit -= f * count + p * (count > 0)
-      ├─ temperature == 0: argmax                                   (greedy rows end here)
+      ├─ temperature < 1e-5 (greedy): argmax                         (greedy rows end here)
       └─ / temperature -> min_p -> top_k -> top_p -> softmax -> sample
 
 Token ids at or past the logits' width (allowed ids, bias keys, bad words' last ids) are ignored:
@@ -120,6 +120,9 @@ def _race_keys(rows: Sequence[SamplingRow], generator: torch.Generator | None) -
     keys = []
     for i, r in enumerate(rows):
         seed = r.sampling_params.seed
+        if r.sampling_params.greedy:
+            keys.append(0)  # not used: a greedy row draws nothing (nor takes from `generator`)
+            continue
         if seed is not None:
             keys.append(row_seed(seed, len(r.token_ids) - r.num_prompt_tokens))
             continue

@@ -40,7 +40,7 @@ def test_greedy_rows_are_argmax_and_ties_go_to_the_first():
 
 
 def test_a_row_depends_on_its_key_and_logits_alone():
-    z = torch.randn(64, 1000, generator=torch.Generator().manual_seed(2))
+    z = torch.randn(64, 2000, generator=torch.Generator().manual_seed(2))  # a team's worth of work
     k = keys(64, 2)
     batch = race(z, [1.0] * 64, k).tolist()
     alone = [race(z[i : i + 1], [1.0], [k[i]]).item() for i in range(64)]
@@ -58,6 +58,41 @@ def test_a_row_depends_on_its_key_and_logits_alone():
     assert sum(a != b for a, b in zip(batch, other, strict=True)) > 32  # the key is the noise
 
 
+def _fmix32_inverse(h: int) -> int:
+    h ^= h >> 16
+    h = (h * pow(0xC2B2AE35, -1, 1 << 32)) & 0xFFFFFFFF
+    h ^= (h >> 13) ^ (h >> 26)
+    h = (h * pow(0x85EBCA6B, -1, 1 << 32)) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def test_the_extreme_hashes_give_uniforms_strictly_inside_zero_one():
+    # Token 0 of a key with lo = 0 hashes to fmix32(fmix32(0) ^ hi) = fmix32(hi): pick hi so that
+    # this is every bit set (the largest U), or none (the smallest).
+    largest, smallest = (_fmix32_inverse(h) << 32 for h in (0xFFFFFFFF, 0))
+    u = uniforms([largest, smallest], 1)[:, 0].tolist()
+    assert u == [1.0 - 2.0**-24, 2.0**-24]
+    # The largest U must not make its token win against far likelier ones, nor a filtered token win.
+    z = torch.full((2, 8), 30.0)
+    z[0, 0] = 0.0
+    z[1] = 0.0
+    z[1, 0] = float("-inf")
+    for fn in (race, race_torch):
+        assert 0 not in fn(z, [1.0, 1.0], [largest, largest]).tolist()
+
+
+def test_a_nan_score_wins_as_with_argmax():
+    z = torch.randn(4, 600, generator=torch.Generator().manual_seed(10))
+    z[1, 5] = z[1, 550] = float("nan")
+    z[2, 530] = float("nan")  # in the second chunk of 512
+    z[3, :] = float("nan")
+    k = keys(4, 10)
+    for temperatures in ([1.0] * 4, [0.0] * 4):
+        tokens = race(z, temperatures, k).tolist()
+        assert tokens[1:] == [5, 530, 0] == race_torch(z, temperatures, k).tolist()[1:]
+    assert race(z, [0.0] * 4, k).tolist() == z.argmax(dim=-1).tolist()
+
+
 def test_strided_and_bf16_logits_are_read_as_their_values():
     wide = torch.randn(8, 600, generator=torch.Generator().manual_seed(5))
     z = wide[:, 50:550]  # rows 600 floats apart
@@ -68,6 +103,10 @@ def test_strided_and_bf16_logits_are_read_as_their_values():
     z_before = z.clone()
     race(z, [1.0] * 8, k)
     assert torch.equal(z, z_before)
+    one = torch.randn(1, 300, generator=torch.Generator().manual_seed(6))
+    expanded = one.expand(4, 300)  # every row the same memory (stride 0)
+    assert race(expanded, [0.0] * 4, k[:4]).tolist() == [one.argmax().item()] * 4
+    assert race(expanded, [1.0] * 4, k[:4]).tolist() == race(one.repeat(4, 1), [1.0] * 4, k[:4]).tolist()
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])

@@ -106,6 +106,15 @@ def test_filters_never_choose_filtered_tokens(params, allowed):
         assert abs(counts[token] / 4000 - PROBS[token] / mass) < 0.04
 
 
+def test_a_temperature_below_1e_5_is_greedy_as_in_vllm():
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(11)) * 5
+    rows = [row(temperature=t, seed=3) for t in (1e-6, 1e-30, 1e-46, 0.0)]
+    tokens, _ = sample(logits, rows, torch.Generator().manual_seed(0))
+    assert tokens == logits.argmax(dim=-1).tolist()
+    batch = [*rows, row(top_p=0.5)]  # the filtered path: the same answers
+    assert sample(logits.repeat(2, 1)[:5], batch, None)[0][:4] == tokens
+
+
 def test_top_k_alone_keeps_what_a_full_sort_keeps_ties_included():
     x = torch.randn(5, 40, generator=torch.Generator().manual_seed(9)).round(decimals=1)  # ties
     top_ks = [3, 0, 45, 1, 7]  # 0 and 45 (> vocab): no top-k for that row
@@ -126,7 +135,8 @@ def test_temperature_sharpens():
 def test_seeded_row_is_the_same_alone_and_in_any_batch():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 1000, generator=gen)
-    seeded = row(outputs=(9, 9, 9), seed=1234, temperature=1.0)
+    # 0.7: the batch's top_p row sends it through the torch rules, which divide by 0.7 as the race does
+    seeded = row(outputs=(9, 9, 9), seed=1234, temperature=0.7)
     others = [row(temperature=1.0), row(seed=99, temperature=0.7), row(temperature=0.0), row(top_p=0.9)]
     alone = [sample(logits[3:4], [seeded], torch.Generator().manual_seed(s))[0][0] for s in range(3)]
     assert len(set(alone)) == 1
