@@ -12,7 +12,7 @@ Per row, in this order (vLLM v1's semantics and order):
       ├─ repetition penalty over prompt + output ids (logit > 0: divided; < 0: multiplied)
       ├─ frequency / presence penalties over output ids: logit -= f * count + p * (count > 0)
       ├─ temperature < 1e-5 (greedy): argmax                         (greedy rows end here)
-      └─ / temperature -> min_p -> top_k -> top_p -> softmax -> sample
+      └─ / temperature -> min_p -> top_k -> top_p -> sample (the exponential race, below)
 
 Token ids at or past the logits' width (allowed ids, bias keys, bad words' last ids) are ignored:
 the front end refuses them (`SamplingParams.vocab_checks`), so this is only a guard.
@@ -28,7 +28,7 @@ and softmax gives nan, which sampling also resolves to id 0, a token the request
 and that step the bans give way (as though no word were banned and min_tokens were met), the
 allowlist being the request's hard contract. Likewise an allowlist with no id below the width keeps
 every id rather than none. Only raw logits that are -inf everywhere the row may go still reach
-argmax as all -inf (greedy: id 0; sampled: nan probs, also id 0); real logits are never so.
+argmax as all -inf (greedy and sampled alike: id 0); real logits are never so.
 
 NOTE: sampling uses the exponential race (`parkade.kernels.race`): argmax(z / t - log E) with
 E ~ Exponential(1) i.i.d. per token draws exactly from softmax(z / t) (the Gumbel-max trick). Unlike
