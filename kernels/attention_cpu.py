@@ -44,7 +44,7 @@ from parkade.kernels.metadata import host_lengths
 
 __all__ = [
     "available", "build", "decode_attention", "features", "library", "paged_attention_varlen",
-    "write_kv_cache",
+    "shared_openmp", "write_kv_cache",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ def library() -> ctypes.CDLL:
 
 
 @cache
-def _shared_openmp() -> bool:
+def shared_openmp() -> bool:
     """Whether the kernel's OpenMP team is torch's own: built with OpenMP, and one runtime mapped."""
     return bool(library().parkade_attention_features() & 1) and len(_openmp_runtimes()) == 1
 
@@ -183,7 +183,7 @@ def features() -> list[str]:
     pairs), and `openmp` when its threads are torch's pool. Builds the kernel if needed."""
     bits = library().parkade_attention_features()
     names = [name for bit, name in _FEATURES.items() if bits & bit and name != "openmp"]
-    return names + (["openmp"] if _shared_openmp() else [])
+    return names + (["openmp"] if shared_openmp() else [])
 
 
 def build() -> None:
@@ -336,7 +336,7 @@ def _attend_rows(
     costs = np.repeat(visible * heads_per_item, items_per_row)
     if threads <= 1 or costs.sum() < MIN_PARALLEL_WORK:
         run(0, num_items)
-    elif _shared_openmp():
+    elif shared_openmp():
         run(0, num_items, threads)  # the kernel splits by cost over torch's own OpenMP threads
     else:
         pool = _thread_pool(threads)

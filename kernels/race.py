@@ -15,7 +15,6 @@ within a float's last bits.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
 
 import torch
 
@@ -48,9 +47,14 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+def _key_tensor(keys: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[len(keys)] int64 holding the 64-bit keys' bits."""
+    return torch.tensor([_signed(key) for key in keys], dtype=torch.int64, device=device)
+
+
 def uniforms(keys: Sequence[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[len(keys), vocab] float32: U of every (row, token), bit for bit csrc/race.c's race_uniform."""
-    k = torch.tensor([_signed(key) for key in keys], dtype=torch.int64, device=device)[:, None]
+    k = _key_tensor(keys, device)[:, None]
     lo, hi = k & MASK32, (k >> 32) & MASK32
     j = torch.arange(vocab, dtype=torch.int64, device=device)
     h = _fmix32(_fmix32((_mul32(j, 0x9E3779B9)[None, :] + lo) & MASK32) ^ hi)
@@ -65,11 +69,6 @@ def race_torch(z: torch.Tensor, temperature: Sequence[float], keys: Sequence[int
     z = z.to(torch.float32)
     scores = torch.where(t > 0, z / torch.where(t > 0, t, 1.0) + gumbel, z)
     return scores.argmax(dim=-1)
-
-
-@cache
-def _team_is_torchs() -> bool:
-    return "openmp" in attention_cpu.features()
 
 
 def race(z: torch.Tensor, temperature: Sequence[float], keys: Sequence[int]) -> torch.Tensor:
@@ -87,9 +86,10 @@ def race(z: torch.Tensor, temperature: Sequence[float], keys: Sequence[int]) -> 
     if z.dtype != torch.float32 or z.stride(1) != 1 or z.stride(0) < vocab:  # e.g. expanded rows
         z = z.to(torch.float32).contiguous()
     t = torch.tensor(temperature, dtype=torch.float32)
-    k = torch.tensor([_signed(key) for key in keys], dtype=torch.int64)
+    k = _key_tensor(keys)
     out = torch.empty(m, dtype=torch.int64)
-    threads = torch.get_num_threads() if m * vocab >= MIN_PARALLEL_WORK and _team_is_torchs() else 1
+    team = m * vocab >= MIN_PARALLEL_WORK and attention_cpu.shared_openmp()  # torch's own threads
+    threads = torch.get_num_threads() if team else 1
     rc = attention_cpu.library().parkade_race(
         z.data_ptr(), m, vocab, z.stride(0), t.data_ptr(), k.data_ptr(), out.data_ptr(), threads
     )
