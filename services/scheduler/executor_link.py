@@ -100,13 +100,17 @@ class ExecutorLink:
         self.last_heard = 0.0
         self.last_progress = 0.0  # a step answered, or the first plan sent with none in flight
         self.in_flight: OrderedDict[int, InFlight] = OrderedDict()
-        self.tokens_in_flight = 0  # scheduled tokens of the plans in flight
         # One step's token budget (the scheduler's max_num_batched_tokens; None: not known yet).
         self.step_budget: int | None = None
 
     @property
     def serving(self) -> bool:
         return self.executor_id is not None
+
+    @property
+    def tokens_in_flight(self) -> int:
+        """Scheduled tokens of the plans in flight (at most `max_in_flight` plans to add up)."""
+        return sum(sum(f.plan.num_scheduled_tokens.values()) for f in self.in_flight.values())
 
     @property
     def has_room(self) -> bool:
@@ -153,7 +157,6 @@ class ExecutorLink:
         if not self.in_flight:
             self.last_progress = now  # the step timeout counts from the first plan out
         self.in_flight[plan.step_id] = InFlight(plan, now)
-        self.tokens_in_flight += _tokens(plan)
         return plan
 
     def take(self, result: StepResult) -> InFlight | None:
@@ -171,7 +174,6 @@ class ExecutorLink:
             self.last_progress = self.clock()
         while True:
             step_id, entry = self.in_flight.popitem(last=False)
-            self.tokens_in_flight -= _tokens(entry.plan)
             if step_id == result.step_id:
                 return entry
 
@@ -183,7 +185,6 @@ class ExecutorLink:
         """The executor holds no request state any more: the steps in flight are void, and the
         next plans build on a new epoch (`epoch`: the executor's, when it said which)."""
         self.in_flight.clear()
-        self.tokens_in_flight = 0
         self.epoch = self.epoch + 1 if epoch is None else epoch
 
     def check(self) -> Lapse | None:
@@ -207,7 +208,3 @@ class ExecutorLink:
             )
             return Lapse.STEP_TIMEOUT
         return None
-
-
-def _tokens(plan: StepPlan) -> int:
-    return sum(plan.num_scheduled_tokens.values())
