@@ -30,6 +30,7 @@ from parkade.schemas.routing import DEFAULT_REPLICA
 from parkade.schemas.topics import DEFAULT_PREFIX
 from parkade.services.bus.serve import Service, serve
 from parkade.services.common import logs, tracing
+from parkade.services.common.heap import freeze_startup_heap
 from parkade.services.common.timeline import StepTimeline
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,8 @@ def _announce_ready(service: str) -> Callable[[], None]:
     """The line `parkade up` waits for: printed once the service consumes its topics."""
 
     def ready() -> None:
-        log.info("ready")
+        frozen = freeze_startup_heap()  # before serving: see heap.py
+        log.info("ready (%d start-up objects frozen out of the garbage collector)", frozen)
         # The protocol line `parkade up` waits for (stdout; the logs go to stderr).
         sys.stdout.write(f"READY {service}\n")
         sys.stdout.flush()

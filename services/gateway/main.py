@@ -49,6 +49,7 @@ from parkade.services.bus.client import PipelineGoneError, RequestClient
 from parkade.services.bus.runtime import connection_settings_ok, service_parser
 from parkade.services.common import logs, tracing
 from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
+from parkade.services.common.heap import freeze_startup_heap
 from parkade.services.gateway.handler import GatewayHandler, GatewayOptions, Opened
 from parkade.services.gateway.metrics import GatewayMetrics
 from parkade.services.gateway.protocol import GatewayError, pipeline_error
@@ -551,7 +552,8 @@ async def serve(
             log.info("ready: %s", url)
             if ready is not None:
                 ready(url)
-            else:  # the protocol line `parkade up` waits for (stdout; the logs go to stderr)
+            else:  # its own process: the protocol line `parkade up` waits for (stdout; the logs go to stderr)
+                freeze_startup_heap()  # before serving: see heap.py
                 sys.stdout.write(f"READY gateway {url}\n")
                 sys.stdout.flush()
             await asyncio.wait(
