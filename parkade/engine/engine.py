@@ -8,6 +8,7 @@ tokenization, checks, arrival times, detokenization and stop strings as across K
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from parkade.engine.args import EngineArgs
@@ -44,6 +45,7 @@ def build_engine_parts(args: EngineArgs) -> tuple[Scheduler, Executor | Simulate
         before_load=lambda max_len: check_options(
             scheduling, block_size=args.block_size, max_model_len=max_len
         ),
+        environ=os.environ,
     )
     geometry = KVGeometry(
         executor.num_blocks, args.block_size, max_model_len, executor.default_batched_tokens

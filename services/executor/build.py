@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -77,12 +77,15 @@ def build_executor(
     options: ExecutorOptions,
     *,
     before_load: Callable[[int], None] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[Executor | SimulatedExecutor, int]:
     """Load the model and allocate the KV pool -> (executor, effective max_model_len).
 
     `before_load(max_model_len)` runs once the config is read and before the weights load, so
-    that settings which cannot work fail fast. Raises ValueError (ModelFolderError for a folder
-    that lacks a file) for settings the model or the pool cannot meet.
+    that settings which cannot work fail fast. `environ`: the process's environment, which may
+    set the allocator up (see cpu_malloc.py; None: as if it said nothing). Raises ValueError
+    (ModelFolderError for a folder that lacks a file) for settings the model or the pool cannot
+    meet.
     """
     if options.simulate is not None:
         from parkade.services.executor.simulated import build_simulated_executor
@@ -99,6 +102,10 @@ def build_executor(
     max_model_len = resolve_max_model_len(model_config.max_position_embeddings, options.max_model_len)
     if before_load is not None:
         before_load(max_model_len)
+    if device.type == "cpu":
+        from parkade.services.executor.cpu_malloc import tune_malloc
+
+        tune_malloc(environ or {})  # before the weights and the first step allocate: see cpu_malloc.py
     executor = Executor(
         model_config,
         block_size=options.block_size,

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from parkade.services.executor import cpu_malloc
+
 if TYPE_CHECKING:
     from parkade.services.executor.executor import Executor
 
@@ -70,6 +72,7 @@ def executor_paths(executor: Executor) -> dict[str, Any]:
         "gemm": _gemm_path(executor, cpu["isa"]),
         "attention": backend,
         "compiled": executor.compiled is not None,
+        "malloc": cpu_malloc.state,
     }
     if executor.compiled is not None:
         paths["gemm_weights"] = "prepacked at compile (inductor freezing)"

@@ -98,7 +98,7 @@ def build_service(options: ExecutorOptions, **kwargs: Any) -> ExecutorService:
     """Load the model and allocate the KV pool (torch is imported here, unless simulating)."""
     from parkade.services.executor.build import build_executor
 
-    executor, max_model_len = build_executor(options)
+    executor, max_model_len = build_executor(options, environ=os.environ)
     return ExecutorService(executor, max_model_len=max_model_len, **kwargs)
 
 
