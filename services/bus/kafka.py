@@ -64,7 +64,10 @@ _CONSUMER_SETTINGS = dict(
 # record that finds its partition's batch full waits for that batch to go (its default: 16 KiB,
 # about ten tokenized requests). Under a burst of 64 requests the gateway's and the tokenizer's
 # records went out ten at a time, one round trip each, and some waited 120-430 ms behind records
-# sent after them. Below the 1 MB that brokers take in a request by default (message.max.bytes).
+# sent after them. A batch is one record batch to the broker, which refuses one larger than its
+# message.max.bytes (about 1 MB by default, on Kafka and Tansu) with every record in it: a broker
+# set below 512 KiB needs a larger limit. A record larger than this still goes, in a batch alone
+# (aiokafka's max_request_size, 1 MiB, caps a record).
 MAX_BATCH_BYTES = 512 * 2**10
 
 # Errors that are one record's own (its size, its bytes): the others (the broker is away, a

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from parkade.services.common.model_config import ModelConfig, resolve_max_model_len
 from parkade.services.common.model_files import check_model_folder
-from parkade.services.executor import kv_budget
+from parkade.services.executor import cpu_malloc, kv_budget
 from parkade.services.executor.options import CPU_KV_BYTES, CPU_KV_SEQS, ExecutorOptions
 
 if TYPE_CHECKING:
@@ -83,9 +83,9 @@ def build_executor(
 
     `before_load(max_model_len)` runs once the config is read and before the weights load, so
     that settings which cannot work fail fast. `environ`: the process's environment, which may
-    set the allocator up (see cpu_malloc.py; None: as if it said nothing). Raises ValueError
-    (ModelFolderError for a folder that lacks a file) for settings the model or the pool cannot
-    meet.
+    set the allocator up (see cpu_malloc.py; None: the allocator is left alone). Raises
+    ValueError (ModelFolderError for a folder that lacks a file) for settings the model or the
+    pool cannot meet.
     """
     if options.simulate is not None:
         from parkade.services.executor.simulated import build_simulated_executor
@@ -102,10 +102,6 @@ def build_executor(
     max_model_len = resolve_max_model_len(model_config.max_position_embeddings, options.max_model_len)
     if before_load is not None:
         before_load(max_model_len)
-    if device.type == "cpu":
-        from parkade.services.executor.cpu_malloc import tune_malloc
-
-        tune_malloc(environ or {})  # before the weights and the first step allocate: see cpu_malloc.py
     executor = Executor(
         model_config,
         block_size=options.block_size,
@@ -116,6 +112,10 @@ def build_executor(
         cpu_matmul_upcast=options.cpu_matmul_upcast,
         compile_model=not options.enforce_eager,
     )
+    if device.type == "cpu" and environ is not None:
+        # After the weights (their loading's temporaries are freed as glibc likes), before the
+        # warm-up and the first step (whose thread must find one arena): see cpu_malloc.py.
+        cpu_malloc.tune_malloc(environ)
     max_model_len = kv_budget.fit_max_model_len(
         max_model_len,
         requested=options.max_model_len,

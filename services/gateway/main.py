@@ -505,6 +505,17 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _server(app: Starlette) -> _Server:
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        lifespan="off",
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=GRACEFUL_STOP_S,
+    )
+    return _Server(config)
+
+
 async def serve(
     bootstrap_servers: str,
     prefix: str,
@@ -534,14 +545,9 @@ async def serve(
             handler, client, health, api_key=api_key, max_body_bytes=options.max_body_bytes, metrics=metrics
         )
         gateway.metrics.register(_ReplicaGauges(health))
-        config = uvicorn.Config(
-            gateway.app(),
-            log_level="warning",
-            lifespan="off",
-            timeout_keep_alive=30,
-            timeout_graceful_shutdown=GRACEFUL_STOP_S,
-        )
-        server = _Server(config)
+        server = _server(gateway.app())
+        if ready is None:  # its own process: see heap.py
+            freeze_startup_heap()
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not serving.done():
             await asyncio.sleep(0.01)
@@ -552,8 +558,7 @@ async def serve(
             log.info("ready: %s", url)
             if ready is not None:
                 ready(url)
-            else:  # its own process: the protocol line `parkade up` waits for (stdout; the logs go to stderr)
-                freeze_startup_heap()  # before serving: see heap.py
+            else:  # the protocol line `parkade up` waits for (stdout; the logs go to stderr)
                 sys.stdout.write(f"READY gateway {url}\n")
                 sys.stdout.flush()
             await asyncio.wait(

@@ -14,7 +14,9 @@ from parkade.services.common.heap import freeze_startup_heap
 @pytest.fixture
 def unfrozen():
     gc.unfreeze()
+    gc.disable()  # no collection but the one under test: it alone may free the garbage below
     yield
+    gc.enable()
     gc.unfreeze()  # the test process's objects back in the collector's care
 
 
