@@ -2,7 +2,7 @@
 
 A service's start-up (torch, transformers, the model, the tokenizer, aiokafka) leaves hundreds of
 thousands of tracked objects that live as long as the process. Python's collector walks every one
-of them at each full (generation 2) collection: on the CPUs we measured, 160-470 ms each, during
+of them at each full (generation 2) collection: on the CPU we measured, 86-471 ms each, during
 which the service does nothing. Under vLLM's `bench serve` burst the gateway sent nothing to the
 broker for 430 ms at a time, with requests waiting in it; the executor ran no step for up to 470
 ms. Frozen, those objects sit in a permanent generation the collector never walks; what serving

@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
-# Tried in turn: glibc before 2.35 refuses more than 32 MiB (half its heap size on 64-bit).
+# Tried in turn: glibc 2.36 takes 256 MiB; an older one may refuse more than 32 MiB (half its
+# heap size on 64-bit), its documented maximum.
 MMAP_THRESHOLDS = (256 * 2**20, 32 * 2**20)
 TRIM_THRESHOLD = 2**30
 # The user's own settings win: glibc's environment knobs, or another allocator preloaded.
