@@ -15,8 +15,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -38,7 +38,10 @@ from aiokafka.errors import (
 
 from parkade.schemas.topics import COMPACTED, base_topic
 from parkade.services.bus.base import CommitError, Headers, Outcome, OutgoingRecord, Record, RecordRejected
+from parkade.services.bus.loop_thread import LoopThread
 from parkade.services.bus.security import client_settings
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -211,14 +214,23 @@ class KafkaConsumer:
 
 class KafkaBus:
     def __init__(
-        self, bootstrap_servers: str, client_id: str = "parkade", *, idempotence: bool = False
+        self,
+        bootstrap_servers: str,
+        client_id: str = "parkade",
+        *,
+        idempotence: bool = False,
+        producer_thread: bool = False,
     ) -> None:
         """`idempotence`: the producer's, so that a retried send is never written twice; Apache
-        Kafka has it, Tansu's memory mode does not (its producers fail at their first send)."""
+        Kafka has it, Tansu's memory mode does not (its producers fail at their first send).
+        `producer_thread`: the producer runs on a loop of its own (see loop_thread.py), for a
+        caller whose loop runs long iterations of other work (the gateway's HTTP)."""
         self.bootstrap_servers = bootstrap_servers
         self.client_id = client_id
         self.idempotence = idempotence
         self._producer: AIOKafkaProducer | None = None
+        self._producer_thread = producer_thread
+        self._loop_thread: LoopThread | None = None  # started with the producer
         self._gone: dict[str, float] = {}  # reply topics found gone -> until when (loop time)
         self._producer_lock = asyncio.Lock()
         self._progress: dict[tuple[str, str], AIOKafkaConsumer] = {}
@@ -229,26 +241,37 @@ class KafkaBus:
         # NOTE: locked: concurrent first sends (a gateway's burst) would each start a producer.
         async with self._producer_lock:
             if self._producer is None:
-                # acks="all": a record counts as sent once every in-sync replica has it, so that
-                # a leader's failover cannot lose what was acknowledged (and then committed past).
-                producer = AIOKafkaProducer(
-                    **_security(),
-                    bootstrap_servers=self.bootstrap_servers,
-                    client_id=self.client_id,
-                    linger_ms=0,
-                    max_batch_size=MAX_BATCH_BYTES,
-                    enable_idempotence=self.idempotence,
-                    acks="all",
-                )
-                await producer.start()
-                self._producer = producer
+                if self._producer_thread and self._loop_thread is None:
+                    self._loop_thread = LoopThread(f"{self.client_id}-producer")
+                self._producer = await self._on_producer_loop(self._new_producer())
         return self._producer
+
+    async def _new_producer(self) -> AIOKafkaProducer:
+        # acks="all": a record counts as sent once every in-sync replica has it, so that a
+        # leader's failover cannot lose what was acknowledged (and then committed past).
+        producer = AIOKafkaProducer(
+            **_security(),
+            bootstrap_servers=self.bootstrap_servers,
+            client_id=self.client_id,
+            linger_ms=0,
+            max_batch_size=MAX_BATCH_BYTES,
+            enable_idempotence=self.idempotence,
+            acks="all",
+        )
+        await producer.start()  # it belongs to the loop it starts on
+        return producer
+
+    async def _on_producer_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        """`coro` run where the producer lives: its thread's loop, or this one."""
+        if self._loop_thread is None:
+            return await coro
+        return await self._loop_thread.run(coro)
 
     async def send(
         self, topic: str, value: bytes, *, key: bytes | None = None, headers: Headers = ()
     ) -> None:
         producer = await self._started_producer()
-        await producer.send_and_wait(topic, value, key=key, headers=list(headers))
+        await self._on_producer_loop(producer.send_and_wait(topic, value, key=key, headers=list(headers)))
 
     async def consumer(
         self,
@@ -297,6 +320,16 @@ class KafkaBus:
         # Queue them all, then wait: one round trip for the batch rather than one per record.
         # The producer keeps the order within a partition.
         producer = await self._started_producer()
+        acks = await self._on_producer_loop(self._queue(producer, records))
+        if self._loop_thread is None:
+            return _outcomes(acks, records)
+        # Awaited on the producer's loop from now, not once the caller awaits it.
+        return self._loop_thread.submit(_outcomes(acks, records))
+
+    async def _queue(
+        self, producer: AIOKafkaProducer, records: list[OutgoingRecord]
+    ) -> list[Awaitable[object]]:
+        """Hand `records` to the producer, in order; -> their acknowledgements (on its loop)."""
         acks: list[Awaitable[object]] = []
         now = asyncio.get_running_loop().time()
         for r in records:
@@ -314,7 +347,7 @@ class KafkaBus:
                     raise
                 self._gone_now(r.topic, now)
                 acks.append(_completed(RecordRejected(f"the reply topic {r.topic} is gone: {error!r}")))
-        return _outcomes(acks, records)
+        return acks
 
     def _gone_now(self, topic: str, now: float) -> None:
         if len(self._gone) > 10_000:  # bounded: the expired go first
@@ -433,8 +466,11 @@ class KafkaBus:
             await consumer.stop()
         self._progress.clear()
         if self._producer is not None:
-            await self._producer.stop()
+            await self._on_producer_loop(self._producer.stop())
             self._producer = None
+        if self._loop_thread is not None:
+            self._loop_thread.close()
+            self._loop_thread = None
 
 
 async def _committed(admin: AIOKafkaAdminClient, group_id: str, topics: list[str]) -> dict[str, int]:

@@ -534,7 +534,9 @@ async def serve(
 
     sock = listening_socket(options.host, options.http_port)  # first: a taken port fails at once
     await wait_for_broker(bootstrap_servers, timeout_s=broker_wait_s)
-    bus = KafkaBus(bootstrap_servers, client_id="parkade-gateway", idempotence=idempotence)
+    bus = KafkaBus(
+        bootstrap_servers, client_id="parkade-gateway", idempotence=idempotence, producer_thread=True
+    )
     client = RequestClient(bus, prefix, bootstrap_servers=bootstrap_servers)
     try:
         await bus.create_topics(topics.all_topic_names(prefix))
