@@ -9,7 +9,8 @@ One server at a time on this machine: `vllm serve` (every CPU bound, a 2 GiB KV 
 a warm-up round, then the timed round of `bench_serve.py` (the anchors' wrapper of
 `vllm bench serve`): random prompts of `--input-len` tokens, `--output-len` tokens out, EOS ignored,
 all sent at once by default. Prints one JSON document: each server's output tok/s, TTFT and TPOT
-(mean, median, p99), failed requests, its start-up time, and Parkade over vLLM.
+(mean, median, p99), failed requests, its start-up time (until `/health` says 200), and Parkade
+over vLLM.
 """
 
 from __future__ import annotations
@@ -85,7 +86,10 @@ def serve_and_bench(args: argparse.Namespace, name: str, command: list[str], env
     print(f"[online_vs_vllm] starting {name}: " + " ".join(command), file=sys.stderr, flush=True)
     proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        ready_s = wait_ready(f"http://127.0.0.1:{port}/v1/models", proc, args.ready_timeout)
+        # /health, not /v1/models: Parkade's gateway lists the model as soon as it listens, about
+        # 18 s before its executor has compiled (measured on tiny-llama); both say 200 on /health
+        # only once they can serve.
+        ready_s = wait_ready(f"http://127.0.0.1:{port}/health", proc, args.ready_timeout)
         bench(args, port, tmp, f"{name}-warmup", min(16, args.num_prompts))
         result = bench(args, port, tmp, name, args.num_prompts)
     finally:
