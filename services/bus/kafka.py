@@ -87,6 +87,11 @@ async def _completed(value: object) -> object:
     return value
 
 
+async def _on(thread: LoopThread | None, coro: Coroutine[Any, Any, T]) -> T:
+    """`coro` run where the producer lives: `thread`'s loop, or the caller's (None)."""
+    return await (coro if thread is None else thread.run(coro))
+
+
 # What a send to a client's reply topic meets once the topic is gone, on a broker that does not
 # create topics on their first record (Kafka with auto.create.topics.enable=false: MSK's default):
 # no metadata for it until the send's timeout, or the broker's answer that it has no such topic.
@@ -235,21 +240,23 @@ class KafkaBus:
         self._producer_lock = asyncio.Lock()
         self._progress: dict[tuple[str, str], AIOKafkaConsumer] = {}
 
-    async def _started_producer(self) -> AIOKafkaProducer:
+    async def _started_producer(self) -> tuple[AIOKafkaProducer, LoopThread | None]:
+        """The producer, and the thread whose loop it lives on (None: this loop). Read together:
+        a `close` meanwhile may clear the bus's references, never the pair handed out."""
         if self._producer is not None:
-            return self._producer
+            return self._producer, self._loop_thread
         # NOTE: locked: concurrent first sends (a gateway's burst) would each start a producer.
         async with self._producer_lock:
             if self._producer is None:
                 if self._producer_thread and self._loop_thread is None:
                     self._loop_thread = LoopThread(f"{self.client_id}-producer")
-                self._producer = await self._on_producer_loop(self._new_producer())
-        return self._producer
+                self._producer = await _on(self._loop_thread, self._new_producer())
+        return self._producer, self._loop_thread
 
     async def _new_producer(self) -> AIOKafkaProducer:
         # acks="all": a record counts as sent once every in-sync replica has it, so that a
         # leader's failover cannot lose what was acknowledged (and then committed past).
-        producer = AIOKafkaProducer(
+        producer = AIOKafkaProducer(  # aiokafka binds it to the loop it is made on
             **_security(),
             bootstrap_servers=self.bootstrap_servers,
             client_id=self.client_id,
@@ -258,20 +265,14 @@ class KafkaBus:
             enable_idempotence=self.idempotence,
             acks="all",
         )
-        await producer.start()  # it belongs to the loop it starts on
+        await producer.start()
         return producer
-
-    async def _on_producer_loop(self, coro: Coroutine[Any, Any, T]) -> T:
-        """`coro` run where the producer lives: its thread's loop, or this one."""
-        if self._loop_thread is None:
-            return await coro
-        return await self._loop_thread.run(coro)
 
     async def send(
         self, topic: str, value: bytes, *, key: bytes | None = None, headers: Headers = ()
     ) -> None:
-        producer = await self._started_producer()
-        await self._on_producer_loop(producer.send_and_wait(topic, value, key=key, headers=list(headers)))
+        producer, thread = await self._started_producer()
+        await _on(thread, producer.send_and_wait(topic, value, key=key, headers=list(headers)))
 
     async def consumer(
         self,
@@ -319,12 +320,12 @@ class KafkaBus:
     async def queue_many(self, records: list[OutgoingRecord]) -> Awaitable[list[Outcome]]:
         # Queue them all, then wait: one round trip for the batch rather than one per record.
         # The producer keeps the order within a partition.
-        producer = await self._started_producer()
-        acks = await self._on_producer_loop(self._queue(producer, records))
-        if self._loop_thread is None:
+        producer, thread = await self._started_producer()
+        acks = await _on(thread, self._queue(producer, records))
+        if thread is None:
             return _outcomes(acks, records)
         # Awaited on the producer's loop from now, not once the caller awaits it.
-        return self._loop_thread.submit(_outcomes(acks, records))
+        return thread.submit(_outcomes(acks, records))
 
     async def _queue(
         self, producer: AIOKafkaProducer, records: list[OutgoingRecord]
@@ -465,12 +466,16 @@ class KafkaBus:
         for consumer in self._progress.values():
             await consumer.stop()
         self._progress.clear()
-        if self._producer is not None:
-            await self._on_producer_loop(self._producer.stop())
-            self._producer = None
-        if self._loop_thread is not None:
-            self._loop_thread.close()
-            self._loop_thread = None
+        # Locked: a first send's producer is not being made meanwhile.
+        async with self._producer_lock:
+            producer, thread = self._producer, self._loop_thread
+            self._producer, self._loop_thread = None, None
+            try:
+                if producer is not None:
+                    await _on(thread, producer.stop())
+            finally:  # even when the stop failed or was cancelled (a bounded close)
+                if thread is not None:
+                    thread.close()
 
 
 async def _committed(admin: AIOKafkaAdminClient, group_id: str, topics: list[str]) -> dict[str, int]:

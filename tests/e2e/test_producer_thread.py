@@ -31,7 +31,8 @@ def test_records_are_acknowledged_while_the_callers_loop_is_busy(bootstrap_serve
         try:
             await bus.create_topics([topic])
             await (await bus.queue_many([OutgoingRecord(topic, b"warm")]))  # producer and metadata
-            acks = await bus.queue_many([OutgoingRecord(topic, b"during")])
+            # A task: on the caller's own loop (no thread) it would start only after the sleep.
+            acks = asyncio.ensure_future(await bus.queue_many([OutgoingRecord(topic, b"during")]))
             time.sleep(1.0)  # a long iteration of other work: this loop does not come round
             await asyncio.sleep(0)  # one iteration: the answer that came meanwhile is delivered
             assert acks.done(), "the record waited for the caller's loop"
@@ -47,13 +48,15 @@ def test_concurrent_senders_records_arrive_in_order_and_refusals_are_answered(bo
     big = OutgoingRecord(topic, b"x" * (2 * 2**20))  # over aiokafka's max_request_size (1 MiB)
 
     async def sender(bus: KafkaBus, name: str) -> list[object]:
-        outcomes: list[object] = []
-        for i in range(0, 40, 4):  # a few records per call, as a service's poll sends
+        # A few records per call, as a service's poll sends; every call queued before any is
+        # awaited, as `serve` does: the order must hold across calls, not only within one.
+        queued = []
+        for i in range(0, 40, 4):
             batch = [
                 OutgoingRecord(topic, f"{name}:{j}".encode(), key=name.encode()) for j in range(i, i + 4)
             ]
-            outcomes += await (await bus.queue_many(batch))
-        return outcomes
+            queued.append(await bus.queue_many(batch))
+        return [offset for acks in queued for offset in await acks]
 
     async def main():
         bus = KafkaBus(bootstrap_servers, client_id="pt-test", producer_thread=True)

@@ -94,3 +94,49 @@ def test_close_ends_the_thread_and_later_work_is_refused():
     with pytest.raises(RuntimeError, match="closed"):
         thread.submit(coro)
     assert coro.cr_frame is None  # closed, not left unawaited
+
+
+def test_close_cancels_what_still_runs_so_that_no_caller_waits_forever():
+    thread = LoopThread("test-loop-pending")
+
+    async def main():
+        pending = thread.submit(asyncio.sleep(3600))
+        await asyncio.sleep(0.05)
+        thread.close()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(pending, 5)
+
+    asyncio.run(main())
+    assert "test-loop-pending" not in {t.name for t in threading.enumerate()}
+
+
+def test_a_bus_whose_producer_fails_to_stop_still_ends_its_thread():
+    """`KafkaBus.close` bounded by a timeout (the gateway's client stop), or a producer whose
+    stop raises: the thread ends all the same."""
+    from aiokafka.errors import KafkaConnectionError
+
+    from parkade.services.bus.kafka import KafkaBus
+
+    class Stuck:
+        def __init__(self, fail: bool) -> None:
+            self.fail = fail
+
+        async def stop(self) -> None:
+            if self.fail:
+                raise KafkaConnectionError("the broker is gone")
+            await asyncio.sleep(3600)
+
+    async def close(fail: bool, name: str) -> None:
+        bus = KafkaBus("127.0.0.1:1", client_id=name, producer_thread=True)
+        bus._loop_thread, bus._producer = LoopThread(f"{name}-producer"), Stuck(fail)
+        if fail:
+            with pytest.raises(KafkaConnectionError):
+                await bus.close()
+        else:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(bus.close(), 0.2)
+        assert f"{name}-producer" not in {t.name for t in threading.enumerate()}
+        await bus.close()  # nothing left: no error
+
+    asyncio.run(close(True, "failing"))
+    asyncio.run(close(False, "stuck"))
