@@ -12,9 +12,15 @@ import pytest
 from parkade.services.bus.loop_thread import LoopThread
 
 
-def test_a_coroutine_runs_on_the_thread_and_its_result_and_error_come_back():
-    thread = LoopThread("test-loop")
+@pytest.fixture
+def thread():
+    """A loop thread, closed after the test whatever it did."""
+    loop_thread = LoopThread("test-loop")
+    yield loop_thread
+    loop_thread.close()
 
+
+def test_a_coroutine_runs_on_the_thread_and_its_result_and_error_come_back(thread):
     async def where(fail: bool) -> int:
         if fail:
             raise KeyError("from the thread")
@@ -25,16 +31,12 @@ def test_a_coroutine_runs_on_the_thread_and_its_result_and_error_come_back():
         with pytest.raises(KeyError, match="from the thread"):
             await thread.run(where(True))
 
-    try:
-        asyncio.run(main())
-    finally:
-        thread.close()
+    asyncio.run(main())
 
 
-def test_work_goes_on_while_the_callers_loop_is_blocked():
+def test_work_goes_on_while_the_callers_loop_is_blocked(thread):
     """What the gateway's producer needs: a submitted coroutine gets on while the caller's loop
     runs a long iteration of other work (here, a blocking sleep)."""
-    thread = LoopThread("test-loop")
 
     async def main():
         progress: list[float] = []
@@ -49,14 +51,10 @@ def test_work_goes_on_while_the_callers_loop_is_blocked():
         assert len(progress) == 5
         await future
 
-    try:
-        asyncio.run(main())
-    finally:
-        thread.close()
+    asyncio.run(main())
 
 
-def test_cancelling_the_callers_future_cancels_the_task_on_the_thread():
-    thread = LoopThread("test-loop")
+def test_cancelling_the_callers_future_cancels_the_task_on_the_thread(thread):
     started, cancelled = threading.Event(), threading.Event()
 
     async def forever():
@@ -75,10 +73,7 @@ def test_cancelling_the_callers_future_cancels_the_task_on_the_thread():
             await future
         assert await asyncio.to_thread(cancelled.wait, 5)
 
-    try:
-        asyncio.run(main())
-    finally:
-        thread.close()
+    asyncio.run(main())
 
 
 def test_close_ends_the_thread_and_later_work_is_refused():
