@@ -52,7 +52,7 @@ from parkade.services.common.flags import add_flags, dataclass_flags, flag_value
 from parkade.services.common.heap import freeze_startup_heap
 from parkade.services.gateway.handler import GatewayHandler, GatewayOptions, Opened
 from parkade.services.gateway.metrics import GatewayMetrics
-from parkade.services.gateway.protocol import GatewayError, pipeline_error
+from parkade.services.gateway.protocol import GatewayError, joined, joins, pipeline_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -233,6 +233,7 @@ class Choices:
         self.span = span  # the HTTP request's, ended with it
         self.started: set[int] = set()  # requests whose stream began (it aborts itself on leaving)
         self.queue: asyncio.Queue[tuple[int, TokenEvent | Exception]] = asyncio.Queue()
+        self.held: tuple[int, TokenEvent | Exception] | None = None  # taken early by `ready_event`
         self.open = len(request_ids) * n  # choices without their last event
         # Request i's sample s is choice i * n + s.
         self.tasks = [
@@ -249,10 +250,31 @@ class Choices:
             self.queue.put_nowait((first_choice, error))
 
     async def next(self) -> tuple[int, TokenEvent | Exception]:
-        index, item = await self.queue.get()
+        if self.held is not None:
+            (index, item), self.held = self.held, None
+        else:
+            index, item = await self.queue.get()
+        self._count(item)
+        return index, item
+
+    def ready_event(self, index: int, event: TokenEvent) -> TokenEvent | None:
+        """Choice `index`'s event after `event` if it came already and `joins` it; None otherwise
+        (what came, if anything, is kept for `next`)."""
+        if self.held is None:
+            try:
+                self.held = self.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return None
+        held_index, item = self.held
+        if held_index != index or isinstance(item, Exception) or not joins(event, item):
+            return None
+        self.held = None
+        self._count(item)
+        return item
+
+    def _count(self, item: TokenEvent | Exception) -> None:
         if isinstance(item, Exception) or item.finish_reason is not None:
             self.open -= 1
-        return index, item
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -461,6 +483,7 @@ class Gateway:
             try:
                 while choices.open:
                     index, event = await self._next(opened, choices, arrival)
+                    event = self._with_ready(opened, choices, index, event, arrival)
                     if (data := chunk(index, event)) is not None:
                         yield data
                 if request.include_usage:
@@ -470,6 +493,18 @@ class Gateway:
             yield "[DONE]"
         finally:
             await self._finish(choices)
+
+    def _with_ready(
+        self, opened: Opened, choices: Choices, index: int, event: TokenEvent, arrival: float
+    ) -> TokenEvent:
+        """`event` joined with its choice's events that came already: one chunk for them, as vLLM's
+        server sends one for the outputs it is behind on. Under load a stream lags a step or two
+        (a poll of the tokenizer or of this client brings several steps), and each chunk costs
+        this process and the client a send, a frame and a parse."""
+        while (then := choices.ready_event(index, event)) is not None:
+            self._observe(opened, index, then, arrival)
+            event = joined(event, then)
+        return event
 
     def _observe(self, opened: Opened, index: int, event: TokenEvent, arrival: float) -> None:
         """Latency metrics, as this gateway's client sees them."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from parkade.schemas import ChatMessage, ErrorKind, SamplingParams, TokenEvent, TokenLogprobs
+from parkade.schemas import ChatMessage, ErrorKind, FinishReason, SamplingParams, TokenEvent, TokenLogprobs
 from parkade.services.common.prompts import ChatOptions
 
 # OpenAI's error `type` for each status we answer with.
@@ -389,6 +389,39 @@ class Choice:
         if event.usage is not None:
             # On the request's last event: for all its samples, so counted on one choice only.
             self.num_cached_tokens = event.usage.cached_tokens
+
+
+def joins(event: TokenEvent, then: TokenEvent) -> bool:
+    """Whether `then`, the next event of `event`'s choice, can go out in the same streamed chunk:
+    neither fails or carries logprobs (whose text offsets go event by event), `event` does not
+    end its choice, and `then` starts where `event` ends."""
+    return (
+        event.finish_reason is None
+        and _plain(event)
+        and _plain(then)
+        and then.index == event.index + len(event.token_ids)
+    )
+
+
+def _plain(event: TokenEvent) -> bool:
+    return (
+        not event.logprobs
+        and event.prompt_logprobs is None
+        and event.error is None
+        and event.finish_reason is not FinishReason.ERROR
+    )
+
+
+def joined(event: TokenEvent, then: TokenEvent) -> TokenEvent:
+    """One event for two that `joins` accepts: a client reads the same text and tokens."""
+    return msgspec.structs.replace(
+        event,
+        token_ids=event.token_ids + then.token_ids,
+        text=event.text + then.text,
+        finish_reason=then.finish_reason,
+        stop_reason=then.stop_reason,
+        usage=then.usage,
+    )
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from parkade.services.gateway.protocol import (
     Answer,
     Choice,
     GatewayError,
+    joined,
+    joins,
     parse_chat,
     parse_completion,
     pipeline_error,
@@ -251,3 +253,46 @@ def test_a_pipeline_refusal_names_the_field_to_blame():
     )
     error = pipeline_error(event)
     assert error.status == 400 and error.param == "max_tokens"
+
+
+def event(index: int, *tokens: int, **fields) -> TokenEvent:
+    text = "".join(f"<{t}>" for t in tokens)
+    return TokenEvent(request_id="r", index=index, token_ids=tokens, text=text, **fields)
+
+
+def test_consecutive_events_of_a_choice_join_into_one_with_the_same_text_and_tokens():
+    usage = Usage(prompt_tokens=3, completion_tokens=3)
+    last = event(1, 8, 9, finish_reason=FinishReason.LENGTH, stop_reason=None, usage=usage)
+    assert joins(event(0, 7), last)
+    both = joined(event(0, 7), last)
+    assert both == TokenEvent(
+        request_id="r",
+        index=0,
+        token_ids=(7, 8, 9),
+        text="<7><8><9>",
+        finish_reason=FinishReason.LENGTH,
+        usage=usage,
+    )
+    choice, apart = Choice(index=0, num_prompt_tokens=3), Choice(index=0, num_prompt_tokens=3)
+    choice.add(both)
+    apart.add(event(0, 7))
+    apart.add(last)
+    assert choice == apart  # what the answer and the usage are built from
+
+
+@pytest.mark.parametrize(
+    "first, then",
+    [
+        (event(0, 7, finish_reason=FinishReason.STOP), event(1, 8)),  # the choice ended
+        (event(0, 7), event(2, 8)),  # not where the first ends (a duplicate or a gap)
+        (event(0, 7, logprobs=(TokenLogprobs(token_ids=(7,), logprobs=(-0.1,), ranks=(1,)),)), event(1, 8)),
+        (event(0, 7), event(1, 8, logprobs=(TokenLogprobs(token_ids=(8,), logprobs=(-0.1,), ranks=(1,)),))),
+        (
+            event(0, 7),
+            event(1, finish_reason=FinishReason.ERROR, error="lost", error_kind=ErrorKind.INTERNAL),
+        ),
+        (event(0, 7, prompt_logprobs=()), event(1, 8)),
+    ],
+)
+def test_failures_logprobs_ends_and_gaps_never_join(first, then):
+    assert not joins(first, then)
