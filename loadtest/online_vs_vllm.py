@@ -8,15 +8,17 @@ One server at a time on this machine: `vllm serve` (every CPU bound, a 2 GiB KV 
 `parkade up` (Kafka pipeline and OpenAI gateway, the embedded broker, a 2 GiB KV budget). Each gets
 a warm-up round, then the timed round of `bench_serve.py` (the anchors' wrapper of
 `vllm bench serve`): random prompts of `--input-len` tokens, `--output-len` tokens out, EOS ignored,
-all sent at once by default. Prints one JSON document: each server's output tok/s, TTFT and TPOT
-(mean, median, p99), failed requests, its start-up time (until `/health` says 200), and Parkade
-over vLLM.
+all sent at once by default. Prints one JSON document: for each run (`runs`), each server's output
+tok/s, TTFT and TPOT (mean, median, p99), completed and failed requests, its start-up time (until
+`/health` says 200), and Parkade over vLLM; over the runs, `parkade_over_vllm` (each ratio's
+median) and `runs_meeting_goal`: the runs where every request of both servers completed,
+Parkade's throughput was at least vLLM's and both its mean TTFT and mean TPOT no worse (the online
+goal of the project's issue 26).
 
-`--repeat N` runs the pair N times, alternated (vLLM, Parkade, vLLM, ...), each server started
-fresh: a VM's speed drifts by more than the difference between the two, so one pair decides
-little. Then `parkade_over_vllm` holds each ratio's median over the runs, and `runs_meeting_goal`
-counts the runs where Parkade's throughput was at least vLLM's and both its TTFT and TPOT no
-worse (the online goal of the project's issue 26).
+`--repeat N` runs the pair N times, each server started fresh, vLLM first in even runs and Parkade
+first in odd ones: a VM's speed drifts by more than the difference between the two, so one pair
+decides little. A run that fails (a server that never gets ready, a client that errs) is recorded
+with its error, and the runs go on.
 """
 
 from __future__ import annotations
@@ -118,12 +120,22 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="pairs of runs, alternated")
     parser.add_argument("--skip", default="", help="vllm or parkade")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     args.model, args.anchors = args.model.resolve(), args.anchors.resolve()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    runs = []
-    for _ in range(args.repeat):
-        results = run_pair(args, skip)
-        runs.append({"results": results, "parkade_over_vllm": ratios_of(results)})
+    runs: list[dict] = []
+    for run in range(args.repeat):
+        order = ["vllm", "parkade"] if run % 2 == 0 else ["parkade", "vllm"]
+        try:
+            results = run_pair(args, [name for name in order if name not in skip])
+        except Exception as error:  # the runs so far still count
+            print(f"[online_vs_vllm] run {run} failed: {error!r}", file=sys.stderr, flush=True)
+            runs.append({"order": order, "error": repr(error)})
+            continue
+        ratios = ratios_of(results)
+        shown = {key: round(value, 3) for key, value in ratios.items()}
+        runs.append({"order": order, "results": results, "parkade_over_vllm": shown})
     summary = {
         "benchmark": "online_vs_vllm",
         "model": args.model.name,
@@ -134,58 +146,73 @@ def main() -> None:
             "request_rate": args.request_rate,
         },
         "cpu": cpu_description(),
-        **summarize([run["parkade_over_vllm"] for run in runs]),
+        **summarize([run["results"] for run in runs if "results" in run], args.num_prompts),
         "runs": runs,
     }
     print(json.dumps(summary, indent=2))
 
 
-def summarize(ratios: list[dict[str, float]]) -> dict:
-    """Each ratio's median over the runs that had both servers (throughput: higher is better;
-    TTFT and TPOT: lower is better), and in how many runs all three met the goal."""
-    ratios = [r for r in ratios if r]
+def summarize(runs: list[dict[str, dict]], num_prompts: int) -> dict:
+    """Over the runs that had both servers: each ratio's median (throughput: higher is better;
+    TTFT and TPOT: lower is better), and in how many runs the goal held (see the module)."""
+    ratios = [ratios_of(results) for results in runs if "vllm" in results and "parkade" in results]
     medians = (
         {key: round(statistics.median(r[key] for r in ratios), 3) for key in ratios[0]} if ratios else {}
     )
-    meeting = sum(r["output_throughput"] >= 1 and r["mean_ttft"] <= 1 and r["mean_tpot"] <= 1 for r in ratios)
+    meeting = sum(
+        results["vllm"]["completed"] == results["parkade"]["completed"] == num_prompts
+        and r["output_throughput"] >= 1
+        and r["mean_ttft"] <= 1
+        and r["mean_tpot"] <= 1
+        for results in runs
+        if (r := ratios_of(results))
+    )
     return {"parkade_over_vllm": medians, "runs_meeting_goal": meeting}
 
 
 def ratios_of(results: dict[str, dict]) -> dict[str, float]:
+    """Parkade over vLLM, unrounded: {} unless both ran."""
     if "vllm" not in results or "parkade" not in results:
         return {}
     p, v = results["parkade"], results["vllm"]
     return {
-        "output_throughput": round(p["output_throughput"] / v["output_throughput"], 2),
-        "mean_ttft": round(p["mean_ttft_ms"] / v["mean_ttft_ms"], 2),
-        "mean_tpot": round(p["mean_tpot_ms"] / v["mean_tpot_ms"], 2),
+        "output_throughput": p["output_throughput"] / v["output_throughput"],
+        "mean_ttft": p["mean_ttft_ms"] / v["mean_ttft_ms"],
+        "mean_tpot": p["mean_tpot_ms"] / v["mean_tpot_ms"],
     }
 
 
-def run_pair(args: argparse.Namespace, skip: set[str]) -> dict[str, dict]:
-    """One run of each server not skipped, vLLM first, each started fresh."""
+def run_pair(args: argparse.Namespace, order: list[str]) -> dict[str, dict]:
+    """One run of each server in `order`, each started fresh."""
     results: dict[str, dict] = {}
+    for name in order:
+        results[name] = (run_vllm if name == "vllm" else run_parkade)(args)
+    return results
+
+
+def run_vllm(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as tmp_name:
+        port = free_port()
+        cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))  # bind every CPU, as the anchor
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_BYTES // 2**30)}
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+        command = [
+            args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
+            "--port", str(port), "--served-model-name", args.model.name,
+        ]  # fmt: skip
+        return serve_and_bench(args, "vllm", command, env, port, Path(tmp_name))
+
+
+def run_parkade(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        if "vllm" not in skip:
-            port = free_port()
-            cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))  # bind every CPU, as the anchor
-            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_BYTES // 2**30)}
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
-            command = [
-                args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
-                "--port", str(port), "--served-model-name", args.model.name,
-            ]  # fmt: skip
-            results["vllm"] = serve_and_bench(args, "vllm", command, env, port, tmp)
-        if "parkade" not in skip:
-            port = free_port()
-            env = {**os.environ, "PARKADE_HOME": os.environ.get("PARKADE_HOME", str(tmp / "parkade-home"))}
-            command = [
-                str(Path(sys.executable).with_name("parkade")), "up", "--model", str(args.model),
-                "--http-port", str(port), "--kv-cache-memory-bytes", str(KV_BYTES),
-            ]  # fmt: skip
-            results["parkade"] = serve_and_bench(args, "parkade", command, env, port, tmp)
-    return results
+        port = free_port()
+        env = {**os.environ, "PARKADE_HOME": os.environ.get("PARKADE_HOME", str(tmp / "parkade-home"))}
+        command = [
+            str(Path(sys.executable).with_name("parkade")), "up", "--model", str(args.model),
+            "--http-port", str(port), "--kv-cache-memory-bytes", str(KV_BYTES),
+        ]  # fmt: skip
+        return serve_and_bench(args, "parkade", command, env, port, tmp)
 
 
 if __name__ == "__main__":

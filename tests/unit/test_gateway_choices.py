@@ -87,3 +87,25 @@ def test_a_choices_last_event_taken_early_ends_it_and_an_error_is_never_taken_ea
         assert index == 1 and isinstance(item, TimeoutError) and choices.open == 0
 
     run(test)
+
+
+def test_a_samples_events_are_taken_early_only_for_that_sample():
+    async def test(streams: Streams, choices: Choices) -> None:
+        # Request "b" (choices 2 and 3 of two samples each) interleaves its samples' events.
+        for item in (event("b", 0, 1), event("b", 0, 7, sample_index=1), event("b", 1, 2)):
+            streams.put("b", item)
+        await settle()
+        assert await choices.next() == (2, event("b", 0, 1))
+        assert choices.ready_event(2, event("b", 0, 1)) is None  # sample 1's came first
+        assert await choices.next() == (3, event("b", 0, 7, sample_index=1))
+        assert await choices.next() == (2, event("b", 1, 2))
+
+    async def main() -> None:
+        streams = Streams()
+        choices = Choices(streams, ["a", "b"], span=None, n=2)
+        try:
+            await asyncio.wait_for(test(streams, choices), 5)
+        finally:
+            await choices.close()
+
+    asyncio.run(main())

@@ -2,27 +2,43 @@
 
 from __future__ import annotations
 
+import pytest
 from loadtest_scripts import load_script
 
 online = load_script("online_vs_vllm")
 
 
-def result(tok_s: float, ttft_ms: float, tpot_ms: float) -> dict:
-    return {"output_throughput": tok_s, "mean_ttft_ms": ttft_ms, "mean_tpot_ms": tpot_ms}
+def result(tok_s: float, ttft_ms: float, tpot_ms: float, completed: int = 64) -> dict:
+    return {
+        "output_throughput": tok_s,
+        "mean_ttft_ms": ttft_ms,
+        "mean_tpot_ms": tpot_ms,
+        "completed": completed,
+    }
 
 
-def test_a_run_meets_the_goal_only_with_all_three_and_the_verdict_is_each_ratios_median():
+VLLM = result(4000, 300, 12)
+
+
+def test_a_run_meets_the_goal_only_with_all_three_and_every_request_completed():
     runs = [
-        {"vllm": result(4000, 300, 12), "parkade": result(4400, 270, 11)},  # all three
-        {"vllm": result(4000, 300, 12), "parkade": result(4400, 330, 11)},  # TTFT worse
-        {"vllm": result(4000, 300, 12), "parkade": result(3800, 240, 12)},  # throughput lower
+        {"vllm": VLLM, "parkade": result(4400, 270, 11)},  # all three
+        {"vllm": VLLM, "parkade": result(4400, 330, 11)},  # TTFT worse
+        {"vllm": VLLM, "parkade": result(3800, 240, 12)},  # throughput lower
+        {"vllm": VLLM, "parkade": result(4400, 270, 11, completed=63)},  # a request lost
         {"parkade": result(4000, 300, 12)},  # vLLM skipped: no ratio
     ]
-    ratios = [online.ratios_of(r) for r in runs]
-    assert ratios[0] == {"output_throughput": 1.1, "mean_ttft": 0.9, "mean_tpot": 0.92}
-    assert ratios[3] == {}
-    assert online.summarize(ratios) == {
-        "parkade_over_vllm": {"output_throughput": 1.1, "mean_ttft": 0.9, "mean_tpot": 0.92},
-        "runs_meeting_goal": 1,
-    }
-    assert online.summarize([{}]) == {"parkade_over_vllm": {}, "runs_meeting_goal": 0}
+    assert online.ratios_of(runs[0]) == pytest.approx(
+        {"output_throughput": 1.1, "mean_ttft": 0.9, "mean_tpot": 11 / 12}
+    )
+    assert online.ratios_of(runs[4]) == {}
+    verdict = online.summarize(runs, num_prompts=64)
+    assert verdict["runs_meeting_goal"] == 1
+    # Medians over the four runs with both servers (an even count: the mean of the middle two).
+    assert verdict["parkade_over_vllm"] == {"output_throughput": 1.1, "mean_ttft": 0.9, "mean_tpot": 0.917}
+    assert online.summarize([runs[4]], num_prompts=64) == {"parkade_over_vllm": {}, "runs_meeting_goal": 0}
+
+
+@pytest.mark.parametrize("parkade", [result(3990, 300, 12), result(4000, 301, 12), result(4000, 300, 12.05)])
+def test_a_run_just_short_of_vllm_does_not_meet_the_goal(parkade):
+    assert online.summarize([{"vllm": VLLM, "parkade": parkade}], num_prompts=64)["runs_meeting_goal"] == 0
