@@ -155,17 +155,18 @@ def main() -> None:
 def summarize(runs: list[dict[str, dict]], num_prompts: int) -> dict:
     """Over the runs that had both servers: each ratio's median (throughput: higher is better;
     TTFT and TPOT: lower is better), and in how many runs the goal held (see the module)."""
-    ratios = [ratios_of(results) for results in runs if "vllm" in results and "parkade" in results]
+    paired = [(results, ratios) for results in runs if (ratios := ratios_of(results))]
     medians = (
-        {key: round(statistics.median(r[key] for r in ratios), 3) for key in ratios[0]} if ratios else {}
+        {key: round(statistics.median(r[key] for _, r in paired), 3) for key in paired[0][1]}
+        if paired
+        else {}
     )
     meeting = sum(
         results["vllm"]["completed"] == results["parkade"]["completed"] == num_prompts
         and r["output_throughput"] >= 1
         and r["mean_ttft"] <= 1
         and r["mean_tpot"] <= 1
-        for results in runs
-        if (r := ratios_of(results))
+        for results, r in paired
     )
     return {"parkade_over_vllm": medians, "runs_meeting_goal": meeting}
 
