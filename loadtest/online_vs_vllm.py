@@ -9,9 +9,9 @@ One server at a time on this machine: `vllm serve` (every CPU bound, a 2 GiB KV 
 a warm-up round, then the timed round of `bench_serve.py` (the anchors' wrapper of
 `vllm bench serve`): random prompts of `--input-len` tokens, `--output-len` tokens out, EOS ignored,
 all sent at once by default. Prints one JSON document: for each run (`runs`), each server's output
-tok/s, TTFT and TPOT (mean, median, p99), completed and failed requests, its start-up time (until
-`/health` says 200), and Parkade over vLLM; over the runs, `parkade_over_vllm` (each ratio's
-median) and `runs_meeting_goal`: the runs where every request of both servers completed,
+tok/s, TTFT and TPOT (mean, median, p99), the TTFT's deciles, completed and failed requests, its
+start-up time (until `/health` says 200), and Parkade over vLLM; over the runs, `parkade_over_vllm`
+(each ratio's median) and `runs_meeting_goal`: the runs where every request of both servers completed,
 Parkade's throughput was at least vLLM's and both its mean TTFT and mean TPOT no worse (the online
 goal of the project's issue 26).
 
@@ -72,7 +72,8 @@ def bench(args: argparse.Namespace, port: int, out_dir: Path, name: str, num_pro
         "--model", args.model.name, "--tokenizer", str(args.model), "--dataset-name", "random",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
         "--num-prompts", str(num_prompts), "--request-rate", args.request_rate, "--ignore-eos",
-        "--seed", "1", "--save-result", "--result-dir", str(out_dir), "--result-filename", filename,
+        "--seed", "1", "--save-result", "--save-detailed", "--result-dir", str(out_dir),
+        "--result-filename", filename,
     ]  # fmt: skip
     print("[online_vs_vllm] " + " ".join(command), file=sys.stderr, flush=True)
     subprocess.run(command, check=True, stdout=sys.stderr)
@@ -104,7 +105,22 @@ def serve_and_bench(args: argparse.Namespace, name: str, command: list[str], env
     finally:
         stop(proc)
         log.close()
-    return {"ready_s": round(ready_s, 1), **{key: result.get(key) for key in METRICS}}
+    return {
+        "ready_s": round(ready_s, 1),
+        **{key: result.get(key) for key in METRICS},
+        "ttft_ms_deciles": ttft_deciles_ms(result),
+    }
+
+
+def ttft_deciles_ms(result: dict) -> list[float]:
+    """The completed requests' TTFT at the 0th, 10th, ..., 100th percentile (nearest rank), in ms,
+    from the client's detailed result: where two means differ, whether the first tokens came
+    later from the start (ingestion) or drifted apart step by step (the prefill's pace)."""
+    errors = result.get("errors") or [""] * len(result.get("ttfts") or [])
+    ttfts = sorted(t for t, error in zip(result.get("ttfts") or [], errors, strict=True) if not error)
+    if not ttfts:
+        return []
+    return [round(1000 * ttfts[int(q * (len(ttfts) - 1) / 10 + 0.5)], 1) for q in range(11)]
 
 
 def main() -> None:

@@ -42,3 +42,13 @@ def test_a_run_meets_the_goal_only_with_all_three_and_every_request_completed():
 @pytest.mark.parametrize("parkade", [result(3990, 300, 12), result(4000, 301, 12), result(4000, 300, 12.05)])
 def test_a_run_just_short_of_vllm_does_not_meet_the_goal(parkade):
     assert online.summarize([{"vllm": VLLM, "parkade": parkade}], num_prompts=64)["runs_meeting_goal"] == 0
+
+
+def test_the_ttft_deciles_leave_out_failed_requests():
+    ttfts = [i / 1000 for i in range(101)]  # 0 to 100 ms
+    assert online.ttft_deciles_ms({"ttfts": ttfts}) == [float(10 * i) for i in range(11)]
+    # A failed request's TTFT (0, as the client records it) is not a first token.
+    failed = {"ttfts": [0.0, 0.2, 0.1], "errors": ["timeout", "", ""]}
+    assert online.ttft_deciles_ms(failed) == [100.0] * 5 + [200.0] * 6
+    assert online.ttft_deciles_ms({"ttfts": [0.0], "errors": ["refused"]}) == []
+    assert online.ttft_deciles_ms({}) == []
