@@ -116,8 +116,9 @@ def ttft_deciles_ms(result: dict) -> list[float]:
     """The completed requests' TTFT at the 0th, 10th, ..., 100th percentile (nearest rank), in ms,
     from the client's detailed result: where two means differ, whether the first tokens came
     later from the start (ingestion) or drifted apart step by step (the prefill's pace)."""
-    errors = result.get("errors") or [""] * len(result.get("ttfts") or [])
-    ttfts = sorted(t for t, error in zip(result.get("ttfts") or [], errors, strict=True) if not error)
+    ttfts, errors = result.get("ttfts") or [], list(result.get("errors") or [])
+    errors += [""] * (len(ttfts) - len(errors))  # (a diagnostic: never fail a run over it)
+    ttfts = sorted(t for t, error in zip(ttfts, errors, strict=False) if not error)
     if not ttfts:
         return []
     return [round(1000 * ttfts[int(q * (len(ttfts) - 1) / 10 + 0.5)], 1) for q in range(11)]
