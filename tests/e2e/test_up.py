@@ -56,13 +56,24 @@ def _cmdline(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
 
 
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def _autogroup_nice(pid: int) -> int | None:
+    path = Path(f"/proc/{pid}/autogroup")  # "/autogroup-123 nice 5"
+    return int(path.read_text().split()[-1]) if path.exists() else None
+
+
 def test_up_serves_the_shipped_model_and_hands_each_service_its_flags(tmp_path):
     flags = ["--block-size", "8", "--max-model-len", "256", "--max-num-seqs", "8"]
     flags += ["--scheduling-policy", "priority", "--no-enable-prefix-caching", "--max-in-flight", "2"]
-    up = Up(tmp_path, *flags)
+    up = Up(tmp_path, *flags, "--pipeline-nice", "5")
     try:
         state = up.wait_ready()
         commands = {name: _cmdline(pid) for name, pid in state["pids"].items() if name != "broker"}
+        nice = {name: _nice(pid) - _nice(up.proc.pid) for name, pid in state["pids"].items()}
+        groups = {name: _autogroup_nice(pid) for name, pid in state["pids"].items()}
         result = up.generate("Once upon a time", "--temperature", "0", "--max-tokens", "20")
         health, completion = _ask_the_gateway(state["gateway_url"])
     finally:
@@ -77,6 +88,10 @@ def test_up_serves_the_shipped_model_and_hands_each_service_its_flags(tmp_path):
     assert "--max-num-seqs 8" in scheduler and "--scheduling-policy priority" in scheduler
     assert "--no-enable-prefix-caching" in scheduler and "--max-in-flight 2" in scheduler
     assert "--model" not in " ".join(commands["tokenizer"])  # the default: nothing to pass
+    # --pipeline-nice: every child but the executor below it, in its session's group too.
+    assert nice == {"broker": 5, "tokenizer": 5, "scheduler": 5, "executor": 0, "gateway": 5}, nice
+    if groups["executor"] is not None:  # a kernel with autogroup
+        assert groups == {"broker": 5, "tokenizer": 5, "scheduler": 5, "executor": 0, "gateway": 5}, groups
     assert result.returncode == 0, f"{result.stderr}\n{up.output()}"
     # The trained stories260K, greedy: the story its authors document.
     assert result.stdout.startswith("Once upon a time, there was a little girl named Lily"), result.stdout
