@@ -23,10 +23,11 @@ The cost: up to `TRIM_THRESHOLD` of freed memory stays with the process, and blo
 threshold come from the heap, whose free space is reused rather than returned.
 
 That stops a step faulting in what the last step freed, but not the heap's growth. Under the
-service, the event loop's allocations (records, plans, results) land between the steps' blocks,
-and the heap grows past them into fresh pages: measured under `parkade up` (tiny-llama, rounds
-of 64 requests of 256 + 128 tokens, 2 vCPU AMD EPYC VM), the heap grew 165 MB over 14 rounds, by
-8,700 faults in the second round and 1,000-2,000 in the 11th to 14th. The faults land in the
+service the heap grows round after round into fresh pages (in one process, `LLM`, the same rounds
+leave it flat after the first: the event loop's allocations, records, plans and results, land
+between the steps' blocks, we think; not traced further): measured under `parkade up` (tiny-llama, rounds
+of 64 requests of 256 + 128 tokens, 2 vCPU AMD EPYC VM), the heap grew 206 MB in rounds 2-14, by
+8,000-8,700 faults in the second round and 1,000-2,200 in the 11th to 14th. The faults land in the
 prefill steps, and they cost far more than their count says: in a VM whose memory the host backs
 on first touch, `clear_page_erms` was half of the executor's CPU samples during the first two
 2,048-token steps of a round (115-145 ms each against 50-60 after). So `reserve_heap` faults a
