@@ -232,6 +232,8 @@ def check(args: argparse.Namespace) -> str | None:
         return f"--replicas must be >= 1, got {args.replicas}"
     if args.tokenizers < 1:
         return f"--tokenizers must be >= 1, got {args.tokenizers}"
+    if not 0 <= args.pipeline_nice <= 19:
+        return f"--pipeline-nice must be 0-19 (below the executors' priority), got {args.pipeline_nice}"
     try:
         check_model_folder(args.model, tokenizer=args.tokenizer is None)
         if args.tokenizer is not None:

@@ -25,16 +25,16 @@ threshold come from the heap, whose free space is reused rather than returned.
 That stops a step faulting in what the last step freed, but not the heap's growth. Under the
 service the heap grows round after round into fresh pages (in one process, `LLM`, the same rounds
 leave it flat after the first: the event loop's allocations, records, plans and results, land
-between the steps' blocks, we think; not traced further): measured under `parkade up` (tiny-llama, rounds
-of 64 requests of 256 + 128 tokens, 2 vCPU AMD EPYC VM), the heap grew 206 MB in rounds 2-14, by
-8,000-8,700 faults in the second round and 1,000-2,200 in the 11th to 14th. The faults land in the
-prefill steps, and they cost far more than their count says: in a VM whose memory the host backs
-on first touch, `clear_page_erms` was half of the executor's CPU samples during the first two
-2,048-token steps of a round (115-145 ms each against 50-60 after). So `reserve_heap` faults a
-reserve in at start-up and frees it to the top of the heap, where its pages stay (the main arena
-returns memory only by trimming its top above `TRIM_THRESHOLD`): the heap's growth then reuses
-them. With 240 MiB reserved (the executor's default for tiny-llama), the same stack took 40-140
-faults a round in rounds 2-6, and its heap did not grow.
+between the steps' blocks, we think; not traced further). Measured under `parkade up`
+(tiny-llama, rounds of 64 requests of 256 + 128 tokens, 2 vCPU AMD EPYC VM), the heap grew 206 MB
+in rounds 2-14, by 8,000-8,700 faults in the second round and 1,000-2,200 in the 11th to 14th.
+The faults land in the prefill steps, and cost far more than their count says: in a VM whose
+memory the host backs on first touch, `clear_page_erms` was half of the executor's CPU samples
+during the first two 2,048-token steps of a round (115-145 ms each against 50-60 after). So
+`reserve_heap` faults a reserve in at start-up and frees it to the top of the heap, where its
+pages stay (the main arena returns memory only by trimming its top above `TRIM_THRESHOLD`): the
+heap's growth then reuses them. With 240 MiB reserved (the executor's default for tiny-llama), the
+same stack took 40-140 faults a round in rounds 2-6, and its heap did not grow.
 """
 
 from __future__ import annotations

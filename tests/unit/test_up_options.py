@@ -211,3 +211,10 @@ def test_metrics_ports_that_cannot_work_are_refused_before_anything_starts(monke
     monkeypatch.setenv("PARKADE_METRICS_PORT", "nine")
     args = parse(["up"])  # (the parser still builds: every command works)
     assert up.check(args) == "PARKADE_METRICS_PORT='nine' is not a port number"
+
+
+def test_a_pipeline_nice_outside_0_to_19_is_refused():
+    parse = build_parser().parse_args
+    assert up.check(parse(["up", "--pipeline-nice", "-5"])).startswith("--pipeline-nice must be 0-19")
+    assert up.check(parse(["up", "--pipeline-nice", "20"])).startswith("--pipeline-nice must be 0-19")
+    assert up.check(parse(["up", "--pipeline-nice", "10"])) is None
