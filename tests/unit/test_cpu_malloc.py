@@ -105,8 +105,11 @@ print(faults() - before)
 
 
 def _growth_faults(reserve_mib: int) -> tuple[int, int]:
-    env = {k: v for k, v in os.environ.items() if k not in (*cpu_malloc.USER_SETTINGS, "LD_PRELOAD")}
-    env.pop(cpu_malloc.OFF, None)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (*cpu_malloc.USER_SETTINGS, "LD_PRELOAD", cpu_malloc.OFF)
+    }
     done = subprocess.run(
         [sys.executable, "-c", GROWTH, str(reserve_mib)], capture_output=True, text=True, check=True, env=env
     )
