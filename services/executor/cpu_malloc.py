@@ -28,9 +28,10 @@ leave it flat after the first: the event loop's allocations, records, plans and 
 between the steps' blocks, we think; not traced further). Measured under `parkade up`
 (tiny-llama, rounds of 64 requests of 256 + 128 tokens, 2 vCPU AMD EPYC VM), the heap grew 206 MB
 in rounds 2-14, by 8,000-8,700 faults in the second round and 1,000-2,200 in the 11th to 14th.
-The faults land in the prefill steps, and cost far more than their count says: in a VM whose
-memory the host backs on first touch, `clear_page_erms` was half of the executor's CPU samples
-during the first two 2,048-token steps of a round (115-145 ms each against 50-60 after). So
+The faults land in the prefill steps, and cost more there than their count says: in this VM,
+`clear_page_erms` was half of the executor's CPU samples during the first two 2,048-token steps
+of a round (115-145 ms each against 50-60 after), where one thread faulting fresh pages alone
+takes 2-3.5 us a page (why the steps' faults cost more was not established). So
 `reserve_heap` faults a reserve in at start-up and frees it to the top of the heap, where its
 pages stay (the main arena returns memory only by trimming its top above `TRIM_THRESHOLD`): the
 heap's growth then reuses them. With 240 MiB reserved (the executor's default for tiny-llama), the
