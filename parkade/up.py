@@ -329,8 +329,8 @@ class Child:
             preexec_fn=functools.partial(_in_child, nice),
             limit=2**20,  # longest output line
         )
-        child = cls(name, proc, log_dir / f"{name}.log", cmd=cmd, restarts=restarts, service=service or name)
-        child.nice = nice
+        log_path = log_dir / f"{name}.log"
+        child = cls(name, proc, log_path, cmd=cmd, restarts=restarts, service=service or name, nice=nice)
         child.pump = asyncio.create_task(child._pump())
         return child
 
