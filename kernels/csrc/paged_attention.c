@@ -447,6 +447,102 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
 }
 #endif
 
+#if HAVE_DPBF16
+/* A block of a prefill chunk's rows against one KV head, for a bf16 cache on AVX512-BF16 with
+ * head_dim D (64 or 128): the query vectors that read KV head h (the group's G heads of each of
+ * the block's nrows rows, nrows <= 16 / G) sit in the 16 lanes of one register, lane i holding
+ * (row i / G, query head h * G + i % G); lanes past nrows * G repeat lane 0 and are not stored.
+ * Where the row path (run_item_dpbf16) reads a key's row once per query row and sums each score
+ * across lanes, this reads it once per block: the scores of 16 keys are 16 registers, one per
+ * key (q . k by VDPBF16PS: k's bf16 pair broadcast against the lanes' q pairs, no horizontal sum);
+ * the online softmax runs lane by lane (a lane's max and sum are its own); and acc[d] (lanes:
+ * the query vectors) += w[key] * v[key][d] on fp32 FMAs, v widened once per tile. Row i sees
+ * keys [0, seq_lens[row0 + i]) (no sliding window here): a key past a lane's length scores -inf.
+ * Same arithmetic as the row path (exact bf16 products, fp32 sums); only the order of the sums
+ * differs. */
+static inline __attribute__((always_inline)) void run_block_dpbf16(const Problem *pr, int64_t row0, int nrows, int h, const int D) {
+    const int G = pr->num_q_heads / pr->num_kv_heads;
+    const int used = nrows * G;
+    const int32_t *table = pr->block_table + pr->row_seq[row0] * pr->table_stride;
+    const int64_t row_bytes = (int64_t)pr->num_kv_heads * D * 2;
+    const char *k_base = (const char *)pr->k_cache + (int64_t)h * D * 2;
+    const char *v_base = (const char *)pr->v_cache + (int64_t)h * D * 2;
+
+    static _Thread_local uint32_t qt[MAX_HEAD_DIM / 2 * 16] __attribute__((aligned(64))); /* [pair][lane] */
+    static _Thread_local float acc[MAX_HEAD_DIM * 16] __attribute__((aligned(64)));       /* [d][lane] */
+    static _Thread_local float vbuf[16 * MAX_HEAD_DIM] __attribute__((aligned(64)));      /* [key][d] */
+    int32_t lens[16] __attribute__((aligned(64)));
+    int max_len = 0;
+    for (int i = 0; i < 16; i++) {
+        const int src = i < used ? i : 0;
+        const int64_t row = row0 + src / G;
+        lens[i] = pr->seq_lens[row];
+        max_len = lens[i] > max_len ? lens[i] : max_len;
+        uint16_t pairs[MAX_HEAD_DIM];
+        load_q_bf16(pr, (row * pr->num_q_heads + (int64_t)h * G + src % G) * D, D, pairs);
+        for (int c = 0; c < D / 2; c++) memcpy(qt + 16 * c + i, pairs + 2 * c, 4);
+    }
+    const __m512i lenv = _mm512_load_si512(lens);
+    const __m512 scale = _mm512_set1_ps(pr->scale);
+    __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+    memset(acc, 0, sizeof(float) * 16 * (size_t)D);
+    int64_t rows[16];
+
+    for (int start = 0; start < max_len; start += 16) {
+        const int n = max_len - start < 16 ? max_len - start : 16;
+        for (int t = 0; t < n; t++) rows[t] = slot_of(pr, table, start + t) * row_bytes;
+        __m512 s[16];
+        for (int t = 0; t < 16; t++) s[t] = _mm512_setzero_ps();
+        for (int c = 0; c < D / 2; c++) {
+            const __m512bh qc = (__m512bh)_mm512_load_si512(qt + 16 * c);
+            for (int t = 0; t < n; t++) {
+                int32_t pair;
+                memcpy(&pair, k_base + rows[t] + 4 * c, 4);
+                s[t] = _mm512_dpbf16_ps(s[t], (__m512bh)_mm512_set1_epi32(pair), qc);
+            }
+        }
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int t = 0; t < n; t++) {
+            const __mmask16 valid = _mm512_cmpgt_epi32_mask(lenv, _mm512_set1_epi32(start + t));
+            s[t] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, s[t], scale);
+            mx = _mm512_max_ps(mx, s[t]);
+        }
+        /* Every lane sees key 0, so after the first tile m is finite; e^(-inf) is 0 (first tile). */
+        const __m512 new_m = _mm512_max_ps(m, mx);
+        const __m512 corr = exp512_nonpositive(_mm512_sub_ps(m, new_m));
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = 0; t < n; t++) {
+            s[t] = exp512_nonpositive(_mm512_sub_ps(s[t], new_m));
+            sum = _mm512_add_ps(sum, s[t]);
+        }
+        l = _mm512_fmadd_ps(l, corr, sum);
+        m = new_m;
+        for (int t = 0; t < n; t++) { /* the tile's V rows, widened once */
+            const uint16_t *v = (const uint16_t *)(v_base + rows[t]);
+            for (int c = 0; c < D / 16; c++) {
+                const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + 16 * c)));
+                _mm512_store_ps(vbuf + t * D + 16 * c, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+            }
+        }
+        for (int d0 = 0; d0 < D; d0 += 8) {
+            __m512 a[8];
+            for (int dd = 0; dd < 8; dd++) a[dd] = _mm512_mul_ps(_mm512_load_ps(acc + 16 * (d0 + dd)), corr);
+            for (int t = 0; t < n; t++)
+                for (int dd = 0; dd < 8; dd++) a[dd] = _mm512_fmadd_ps(s[t], _mm512_set1_ps(vbuf[t * D + d0 + dd]), a[dd]);
+            for (int dd = 0; dd < 8; dd++) _mm512_store_ps(acc + 16 * (d0 + dd), a[dd]);
+        }
+    }
+    float inv[16] __attribute__((aligned(64)));
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    for (int i = 0; i < used; i++) {
+        const int64_t offset = ((row0 + i / G) * pr->num_q_heads + (int64_t)h * G + i % G) * D;
+        float col[MAX_HEAD_DIM];
+        for (int d = 0; d < D; d++) col[d] = acc[16 * d + i];
+        store_out(pr, offset, col, inv[i], D);
+    }
+}
+#endif
+
 static void run_item(const Problem *pr, int64_t item, int touch) {
 #if HAVE_DPBF16
     if (pr->dtype == DTYPE_BF16 && pr->head_dim == 64) {
@@ -610,6 +706,66 @@ int paged_attention_rows(
 #endif
     (void)num_threads;
     run_items(&pr, item_begin, item_end);
+    return 0;
+}
+
+/* Whether this build has the block path (run_block_dpbf16): Python asks before making units. */
+int parkade_attention_blocks(void) { return HAVE_DPBF16; }
+
+/* A step's rows as units of work, split over the threads by the caller's costs: a unit of nrows > 1
+ * is a block of a prefill chunk's rows (consecutive rows of one request, nrows <= 16 / group)
+ * against KV head `head` (run_block_dpbf16: a bf16 cache, head_dim 64 or 128, no sliding window,
+ * on a build with AVX512-BF16); a unit of one row is the row path's item for that row and its
+ * `kv_heads_per_item` heads from `head` (run_item). Returns -1 where the shapes do not fit, as
+ * paged_attention_rows, and also where a block cannot run on this build. */
+int paged_attention_units(
+    const void *q, const void *k_cache, const void *v_cache, int dtype, const int32_t *block_table,
+    int64_t table_stride, const int32_t *seq_lens, const int32_t *row_seq, void *out,
+    int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale, int kv_heads_per_item,
+    const int32_t *unit_row, const int32_t *unit_rows, const int32_t *unit_head, const int64_t *unit_cost,
+    int64_t num_units, int num_threads, int io_bf16) {
+    const int group = num_q_heads / num_kv_heads;
+    if (head_dim > MAX_HEAD_DIM || kv_heads_per_item * group > MAX_HEADS ||
+        kv_heads_per_item * head_dim > MAX_WIDTH || num_kv_heads % kv_heads_per_item || !row_seq)
+        return -1;
+    for (int64_t u = 0; u < num_units; u++)
+        if (unit_rows[u] > 1 && (!HAVE_DPBF16 || dtype != DTYPE_BF16 || (head_dim != 64 && head_dim != 128) ||
+                                 unit_rows[u] * group > 16))
+            return -1;
+    const Problem pr = {
+        q, k_cache, v_cache, dtype, dtype == DTYPE_BF16 ? 2 : 4, block_table, table_stride, seq_lens, row_seq, out,
+        num_q_heads, num_kv_heads, head_dim, block_size, 0, kv_heads_per_item, io_bf16, scale,
+    };
+    const int64_t items_per_seq = num_kv_heads / kv_heads_per_item;
+    int64_t total = 0;
+    for (int64_t u = 0; u < num_units; u++) total += unit_cost[u];
+#ifdef _OPENMP
+#pragma omp parallel num_threads(num_threads > 1 ? num_threads : 1)
+#endif
+    {
+#ifdef _OPENMP
+        const int parts = omp_get_num_threads(), part = omp_get_thread_num();
+#else
+        const int parts = 1, part = 0;
+#endif
+        /* A unit belongs to the thread its cost's midpoint falls in (as cost_range). */
+        const int64_t from = total * part / parts, to = total * (part + 1) / parts;
+        int64_t seen = 0;
+        for (int64_t u = 0; u < num_units; u++) {
+            const int64_t mid = seen + unit_cost[u] / 2;
+            seen += unit_cost[u];
+            if (mid < from || (mid >= to && part < parts - 1)) continue;
+#if HAVE_DPBF16
+            if (unit_rows[u] > 1) {
+                if (head_dim == 64) run_block_dpbf16(&pr, unit_row[u], unit_rows[u], unit_head[u], 64);
+                else run_block_dpbf16(&pr, unit_row[u], unit_rows[u], unit_head[u], 128);
+                continue;
+            }
+#endif
+            run_item(&pr, unit_row[u] * items_per_seq + unit_head[u] / kv_heads_per_item, 1);
+        }
+    }
+    (void)num_threads;
     return 0;
 }
 

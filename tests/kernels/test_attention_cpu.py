@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_attention_torch import dense_reference, make_case, run_paged
@@ -82,6 +83,52 @@ def test_mixed_prefill_and_decode_rows_on_threads(two_threads, dtype, head_dim, 
     expected = dense_reference(case, scale, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+
+
+def _has_avx512_bf16() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    return "avx512_bf16" in flags and "avx512f" in flags
+
+
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim"),
+    # groups of 2 (8 rows a block), 3 (5 rows, a spare lane), 7, 1 (16 rows); 16: one row a block, so
+    # the row path, in the same call
+    [(4, 2, 64), (12, 4, 64), (28, 4, 128), (8, 8, 128), (16, 1, 64)],
+)
+def test_prefill_blocks_equal_the_dense_reference(two_threads, num_q_heads, num_kv_heads, head_dim):
+    # A bf16 step of prefill chunks (from position 0, after a cached context, one row past a block,
+    # two rows) and decodes: the chunks' rows go in blocks of 16 / group rows against each KV head
+    # (`paged_attention_units`) where the build has AVX512-BF16, in the same call as the decodes.
+    gen = torch.Generator().manual_seed(num_q_heads * head_dim)
+    query_lens = [256, 17, 120, 9, 2, 1, 1, 1, 64]
+    seq_lens = [256, 17, 400, 300, 2, 350, 90, 1, 64 + 16 * 7]
+    case = make_case(
+        seq_lens, query_lens, block_size=16, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, dtype=torch.bfloat16, seed=int(torch.randint(0, 1000, (1,), generator=gen)),
+    )  # fmt: skip
+    assert attention_cpu._blocks_handle(case.q, case.k_cache, None) == _has_avx512_bf16()
+    scale = head_dim**-0.5
+    got = run_paged(case, scale, None, backend="cpu")
+    expected = dense_reference(case, scale, None)
+    torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=2e-2)
+    # The same rows one at a time (the row path): the two differ by the order of their sums only.
+    positions = np.concatenate([np.arange(s - n, s) for s, n in zip(seq_lens, query_lens, strict=True)])
+    row_seq = np.repeat(np.arange(len(query_lens)), query_lens)
+    rows = attention_cpu._attend_rows(
+        case.q, case.k_cache, case.v_cache, case.block_table, positions + 1, row_seq, scale, None
+    )
+    torch.testing.assert_close(got.float(), rows.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_prefill_blocks_are_not_used_with_a_window_or_an_fp32_cache(two_threads):
+    shape = dict(block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64)
+    case = make_case([300], [300], **shape, dtype=torch.float32)
+    assert not attention_cpu._blocks_handle(case.q, case.k_cache, None)
+    bf16 = make_case([300], [300], **shape, dtype=torch.bfloat16)
+    assert not attention_cpu._blocks_handle(bf16.q, bf16.k_cache, 100)
+    assert not attention_cpu._blocks_handle(bf16.q.float(), bf16.k_cache, None)  # fp32 activations
 
 
 @pytest.mark.parametrize("head_dim", [64, 48])  # the VDPBF16PS path (where the CPU has it) and the vector one
