@@ -7,7 +7,9 @@
  * tokens has q_len rows, the row at position p seeing keys up to p (its own `seq_lens` entry is
  * p + 1, and `row_seq` maps it to its request's block-table row). Rows are independent, so a
  * prefill chunk reads its request's K/V in place like a decode, with no gathered copy and no mask;
- * its rows re-read the same few blocks, from cache.
+ * its rows re-read the same few blocks, from cache. With AVX512-BF16, a bf16 cache and head_dim 64
+ * or 128, paged_attention_units takes a chunk's rows in blocks instead (run_block_dpbf16: each key
+ * read once for up to 16 query vectors, a lane each), and the step's other rows as here.
  *
  * Work item i = (query row b, a run of `kv_heads_per_item` KV heads starting at h0) serves the query
  * heads that read those KV heads (transformers' repeat_kv order: query head j reads KV head
