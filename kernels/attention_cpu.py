@@ -5,9 +5,10 @@ padding: no gathered fp32 copy of the cache (which the torch path pays for every
 mask. A prefill chunk's row at position p is attended like a decode over keys 0..p (on a bf16
 model with AVX512-BF16, a chunk's rows go in blocks that read each key once for up to 16 query
 vectors: `_attend_units`). It runs on the vector units the CPU has (AVX-512 with VDPBF16PS dot
-products, AVX-512, AVX2: `features()` says which), built on first use with the system C compiler (`-O3 -march=native -fopenmp`, about a
-second; $PARKADE_CPU_MARCH picks another -march) into `$PARKADE_HOME/kernels/`, keyed by source,
-flags, compiler and CPU, and called through ctypes, which releases the GIL. The same library holds
+products, AVX-512, AVX2: `features()` says which), built on first use with the system C compiler
+(`-O3 -march=native -fopenmp`, about a second; $PARKADE_CPU_MARCH picks another -march) into
+`$PARKADE_HOME/kernels/`, keyed by source, flags, compiler and CPU, and called through ctypes,
+which releases the GIL. The same library holds
 `csrc/race.c`, the sampler's exponential race (`kernels/race.py`): one build, one load.
 
 Threads: the kernel splits its work items (query row, KV heads) by cost over an OpenMP team of
