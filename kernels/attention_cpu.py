@@ -169,8 +169,6 @@ def library() -> ctypes.CDLL:
             ptr, ptr, ptr, i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, f32, i32,
             ptr, ptr, ptr, ptr, i64, i32, i32,
         ]  # fmt: skip
-        lib.parkade_attention_blocks.restype = ctypes.c_int
-        lib.parkade_attention_blocks.argtypes = []
     lib.parkade_attention_features.restype = ctypes.c_int
     lib.parkade_attention_features.argtypes = []
     lib.parkade_write_kv.restype = ctypes.c_int
@@ -350,16 +348,26 @@ def _attend_rows(
 def _blocks_handle(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None) -> bool:
     """Whether a step's prefill rows can go in blocks (`paged_attention_units`): a bf16 cache and
     activations, head_dim 64 or 128, no window, a group of at most 16 query heads per KV head, and
-    a build with AVX512-BF16."""
+    a build that has the block path."""
     return (
         q.dtype == k_cache.dtype == torch.bfloat16
         and q.shape[2] in (64, 128)
         and not sliding_window
         and q.shape[1] // k_cache.shape[2] <= 16
-        and _io_bf16()
+        and _blocks_built()
+    )
+
+
+@cache
+def _blocks_built() -> bool:
+    """The build has the block path: AVX512-BF16, bf16 q in and out, and torch's OpenMP team (the
+    units are split over it only; a build from before them, which cpu_attention_bench may load,
+    has not)."""
+    return (
+        "avx512_bf16" in features()
         and shared_openmp()
+        and _io_bf16()
         and hasattr(library(), "paged_attention_units")
-        and bool(library().parkade_attention_blocks())
     )
 
 
@@ -376,6 +384,7 @@ def _attend_units(
     block_table: torch.Tensor,
     q_lens: np.ndarray,  # [num_seqs] query rows per request
     row_lens: np.ndarray,  # [num_rows] keys each row sees
+    row_seq: np.ndarray,  # [num_rows] each row's request
     scale: float,
 ) -> torch.Tensor:
     """Prefill chunks in blocks of rows against each KV head (all the query vectors of a KV head
@@ -413,15 +422,15 @@ def _attend_units(
         ).astype(np.int64)
         + 1
     )
-    row_seq = np.ascontiguousarray(np.repeat(np.arange(len(q_lens)), q_lens), dtype=np.int32)
-    lens = np.ascontiguousarray(row_lens, dtype=np.int32)
-    as_i32 = [np.ascontiguousarray(a, dtype=np.int32) for a in (unit_row, unit_rows, unit_head)]
+    lens, seqs, *as_i32 = [
+        np.ascontiguousarray(a, dtype=np.int32) for a in (row_lens, row_seq, unit_row, unit_rows, unit_head)
+    ]
     qc, table = q.contiguous(), block_table.to(torch.int32).contiguous()
     out = torch.empty(qc.shape, dtype=qc.dtype)
     threads = torch.get_num_threads() if unit_cost.sum() >= MIN_PARALLEL_WORK else 1
     rc = library().paged_attention_units(
         qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype], table.data_ptr(),
-        table.stride(0), lens.ctypes.data, row_seq.ctypes.data, out.data_ptr(), num_q_heads, num_kv_heads,
+        table.stride(0), lens.ctypes.data, seqs.ctypes.data, out.data_ptr(), num_q_heads, num_kv_heads,
         head_dim, block_size, scale, heads_per_item, *(a.ctypes.data for a in as_i32), unit_cost.ctypes.data,
         len(unit_cost), threads, 1,
     )  # fmt: skip
@@ -497,5 +506,5 @@ def paged_attention_varlen(
         starts = np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
         row_lens = np.repeat(s_lens - q_lens, q_lens) + (np.arange(q.shape[0]) - starts) + 1
         if _blocks_handle(q, k_cache, sliding_window):
-            return _attend_units(q, k_cache, v_cache, block_table, q_lens, row_lens, softmax_scale)
+            return _attend_units(q, k_cache, v_cache, block_table, q_lens, row_lens, row_seq, softmax_scale)
     return _attend_rows(q, k_cache, v_cache, block_table, row_lens, row_seq, softmax_scale, sliding_window)

@@ -646,17 +646,23 @@ static inline int64_t item_cost(const Problem *pr, int64_t item) {
     return (int64_t)(seq_len - first_key(pr, seq_len)) * pr->kv_heads_per_item + 1;
 }
 
+/* The cost of item (or unit) i: costs[i] where the caller gave costs, else item_cost. */
+static inline int64_t cost_of(const Problem *pr, const int64_t *costs, int64_t i) {
+    return costs ? costs[i] : item_cost(pr, i);
+}
+
 /* Items [begin, end) split into `parts` contiguous ranges of about equal cost; range `part`. */
-static void cost_range(const Problem *pr, int64_t begin, int64_t end, int parts, int part, int64_t *lo, int64_t *hi) {
+static void cost_range(const Problem *pr, const int64_t *costs, int64_t begin, int64_t end, int parts, int part,
+                       int64_t *lo, int64_t *hi) {
     int64_t total = 0;
-    for (int64_t i = begin; i < end; i++) total += item_cost(pr, i);
+    for (int64_t i = begin; i < end; i++) total += cost_of(pr, costs, i);
     const int64_t from = total * part / parts, to = total * (part + 1) / parts;
     int64_t seen = 0;
     *lo = *hi = end;
     int lo_set = 0;
     for (int64_t i = begin; i < end; i++) {
         /* An item belongs to the range its cost's midpoint falls in. */
-        const int64_t mid = seen + item_cost(pr, i) / 2;
+        const int64_t mid = seen + cost_of(pr, costs, i) / 2;
         if (!lo_set && mid >= from) {
             *lo = i;
             lo_set = 1;
@@ -665,7 +671,7 @@ static void cost_range(const Problem *pr, int64_t begin, int64_t end, int parts,
             *hi = i;
             break;
         }
-        seen += item_cost(pr, i);
+        seen += cost_of(pr, costs, i);
     }
     if (*hi < *lo) *hi = *lo;
 }
@@ -700,7 +706,7 @@ int paged_attention_rows(
 #pragma omp parallel num_threads(num_threads)
         {
             int64_t lo, hi;
-            cost_range(&pr, item_begin, item_end, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
+            cost_range(&pr, NULL, item_begin, item_end, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
             run_items(&pr, lo, hi);
         }
         return 0;
@@ -711,8 +717,25 @@ int paged_attention_rows(
     return 0;
 }
 
-/* Whether this build has the block path (run_block_dpbf16): Python asks before making units. */
-int parkade_attention_blocks(void) { return HAVE_DPBF16; }
+/* A step's units (see paged_attention_units): unit u is rows [row[u], row[u] + rows[u]) from KV
+ * head head[u]. */
+typedef struct {
+    const int32_t *row, *rows, *head;
+} Units;
+
+/* Units [lo, hi) in order, on one thread: a block (rows > 1) or one row's item of the row path. */
+static void run_units(const Problem *pr, const Units *un, int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; u++) {
+#if HAVE_DPBF16
+        if (un->rows[u] > 1) {
+            if (pr->head_dim == 64) run_block_dpbf16(pr, un->row[u], un->rows[u], un->head[u], 64);
+            else run_block_dpbf16(pr, un->row[u], un->rows[u], un->head[u], 128);
+            continue;
+        }
+#endif
+        run_item(pr, un->row[u] * (pr->num_kv_heads / pr->kv_heads_per_item) + un->head[u] / pr->kv_heads_per_item, 1);
+    }
+}
 
 /* A step's rows as units of work, split over the threads by the caller's costs: a unit of nrows > 1
  * is a block of a prefill chunk's rows (consecutive rows of one request, nrows <= 16 / group)
@@ -738,36 +761,20 @@ int paged_attention_units(
         q, k_cache, v_cache, dtype, dtype == DTYPE_BF16 ? 2 : 4, block_table, table_stride, seq_lens, row_seq, out,
         num_q_heads, num_kv_heads, head_dim, block_size, 0, kv_heads_per_item, io_bf16, scale,
     };
-    const int64_t items_per_seq = num_kv_heads / kv_heads_per_item;
-    int64_t total = 0;
-    for (int64_t u = 0; u < num_units; u++) total += unit_cost[u];
+    const Units units = {unit_row, unit_rows, unit_head};
 #ifdef _OPENMP
-#pragma omp parallel num_threads(num_threads > 1 ? num_threads : 1)
-#endif
-    {
-#ifdef _OPENMP
-        const int parts = omp_get_num_threads(), part = omp_get_thread_num();
-#else
-        const int parts = 1, part = 0;
-#endif
-        /* A unit belongs to the thread its cost's midpoint falls in (as cost_range). */
-        const int64_t from = total * part / parts, to = total * (part + 1) / parts;
-        int64_t seen = 0;
-        for (int64_t u = 0; u < num_units; u++) {
-            const int64_t mid = seen + unit_cost[u] / 2;
-            seen += unit_cost[u];
-            if (mid < from || (mid >= to && part < parts - 1)) continue;
-#if HAVE_DPBF16
-            if (unit_rows[u] > 1) {
-                if (head_dim == 64) run_block_dpbf16(&pr, unit_row[u], unit_rows[u], unit_head[u], 64);
-                else run_block_dpbf16(&pr, unit_row[u], unit_rows[u], unit_head[u], 128);
-                continue;
-            }
-#endif
-            run_item(&pr, unit_row[u] * items_per_seq + unit_head[u] / kv_heads_per_item, 1);
+    if (num_threads > 1) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            int64_t lo, hi;
+            cost_range(&pr, unit_cost, 0, num_units, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);
+            run_units(&pr, &units, lo, hi);
         }
+        return 0;
     }
+#endif
     (void)num_threads;
+    run_units(&pr, &units, 0, num_units);
     return 0;
 }
 
