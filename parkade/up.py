@@ -767,7 +767,7 @@ def _in_child(nice: int) -> None:
         with contextlib.suppress(OSError):  # no autogroup in this kernel
             fd = os.open("/proc/self/autogroup", os.O_WRONLY)
             try:
-                os.write(fd, str(min(nice, 19)).encode())
+                os.write(fd, str(nice).encode())
             finally:
                 os.close(fd)
 
