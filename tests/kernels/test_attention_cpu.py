@@ -108,7 +108,8 @@ def test_prefill_blocks_equal_the_dense_reference(two_threads, num_q_heads, num_
     got = run_paged(case, scale, None, backend="cpu")
     expected = dense_reference(case, scale, None)
     torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=2e-2)
-    # The same rows one at a time (the row path): the two differ by the order of their sums only.
+    # The same rows one at a time (the row path): the two differ by the order of their sums and the
+    # blocks' P.V on bf16 weights.
     positions = np.concatenate([np.arange(s - n, s) for s, n in zip(seq_lens, query_lens, strict=True)])
     row_seq = np.repeat(np.arange(len(query_lens)), query_lens)
     rows = attention_cpu._attend_rows(
