@@ -710,6 +710,13 @@ static void cost_range(const Problem *pr, const int64_t *costs, int64_t begin, i
     if (*hi < *lo) *hi = *lo;
 }
 
+/* The row path's shapes fit its fixed buffers: a work item's heads and K/V width, head_dim. */
+static int items_fit(int num_q_heads, int num_kv_heads, int head_dim, int kv_heads_per_item) {
+    const int group = num_q_heads / num_kv_heads;
+    return head_dim <= MAX_HEAD_DIM && kv_heads_per_item * group <= MAX_HEADS &&
+           kv_heads_per_item * head_dim <= MAX_WIDTH && num_kv_heads % kv_heads_per_item == 0;
+}
+
 /* Returns 0, or -1 when the shapes exceed the fixed buffers (checked in Python first).
  * num_threads > 1: split [item_begin, item_end) over an OpenMP team of that many (when built with
  * OpenMP; the caller splits otherwise). */
@@ -727,10 +734,7 @@ int paged_attention_rows(
     float scale, int sliding_window, /* 0: none */
     int kv_heads_per_item,       /* divides num_kv_heads */
     int64_t item_begin, int64_t item_end, int num_threads, int io_bf16) {
-    const int group = num_q_heads / num_kv_heads;
-    if (head_dim > MAX_HEAD_DIM || kv_heads_per_item * group > MAX_HEADS ||
-        kv_heads_per_item * head_dim > MAX_WIDTH || num_kv_heads % kv_heads_per_item)
-        return -1;
+    if (!items_fit(num_q_heads, num_kv_heads, head_dim, kv_heads_per_item)) return -1;
     const Problem pr = {
         q, k_cache, v_cache, dtype, dtype == DTYPE_BF16 ? 2 : 4, block_table, table_stride, seq_lens, row_seq, out,
         num_q_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_heads_per_item, io_bf16, scale,
@@ -784,9 +788,7 @@ int paged_attention_units(
     const int32_t *unit_row, const int32_t *unit_rows, const int32_t *unit_head, const int64_t *unit_cost,
     int64_t num_units, int num_threads, int io_bf16) {
     const int group = num_q_heads / num_kv_heads;
-    if (head_dim > MAX_HEAD_DIM || kv_heads_per_item * group > MAX_HEADS ||
-        kv_heads_per_item * head_dim > MAX_WIDTH || num_kv_heads % kv_heads_per_item || !row_seq)
-        return -1;
+    if (!items_fit(num_q_heads, num_kv_heads, head_dim, kv_heads_per_item) || !row_seq) return -1;
     for (int64_t u = 0; u < num_units; u++)
         if (unit_rows[u] > 1 && (!HAVE_DPBF16 || dtype != DTYPE_BF16 || (head_dim != 64 && head_dim != 128) ||
                                  unit_rows[u] * group > 16))
