@@ -4,8 +4,9 @@
 padding: no gathered fp32 copy of the cache (which the torch path pays for every layer) and no
 mask. A prefill chunk's row at position p is attended like a decode over keys 0..p (on a bf16
 model with AVX512-BF16, a chunk's rows go in blocks that read each key once for up to 16 query
-vectors: `_attend_units`). It runs on the vector units the CPU has (AVX-512 with VDPBF16PS dot
-products, AVX-512, AVX2: `features()` says which), built on first use with the system C compiler
+vectors: `_attend_units`). It runs on the matrix and vector units the CPU has (AMX tiles,
+AVX-512 with VDPBF16PS dot products, AVX-512, AVX2: `features()` says which; $PARKADE_CPU_AMX=0
+keeps it off the tiles), built on first use with the system C compiler
 (`-O3 -march=native -fopenmp`, about a second; $PARKADE_CPU_MARCH picks another -march) into
 `$PARKADE_HOME/kernels/`, keyed by source, flags, compiler and CPU, and called through ctypes,
 which releases the GIL. The same library holds
@@ -45,7 +46,7 @@ from parkade.kernels import attention_torch
 from parkade.kernels.metadata import host_lengths
 
 __all__ = [
-    "available", "build", "decode_attention", "features", "library", "paged_attention_varlen",
+    "available", "build", "decode_attention", "features", "library", "paged_attention_varlen", "set_amx",
     "shared_openmp", "write_kv_cache",
 ]  # fmt: skip
 
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 RACE_SOURCE = SOURCE.with_name("race.c")  # compiled into the same library
+HEADERS = ("attention_amx.h",)  # included by SOURCE, beside it: part of the build's key
 # -fassociative-math (with the two flags it needs) lets the compiler vectorize the dot products'
 # reductions; no -ffinite-math-only: the online softmax starts from -inf.
 CFLAGS = (
@@ -61,7 +63,7 @@ CFLAGS = (
 )  # fmt: skip
 OPENMP_FLAGS = ("-fopenmp",)
 # Bits of the library's parkade_attention_features() (csrc/paged_attention.c).
-_FEATURES = {1: "openmp", 2: "avx2", 4: "avx512", 8: "avx512_bf16"}
+_FEATURES = {1: "openmp", 2: "avx2", 4: "avx512", 8: "avx512_bf16", 16: "amx"}
 MAX_HEAD_DIM, MAX_HEADS, MAX_WIDTH = 256, 128, 512  # the kernel's fixed buffers
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Below this many keys x KV heads in a step, one thread does it all: a hand-off costs more.
@@ -103,9 +105,10 @@ def _cache_dir() -> Path:
 def _build_library(compiler: str, version: str, flags: tuple[str, ...]) -> Path:
     """Compile the kernels with `flags` unless a build of these sources, flags, compiler and CPU exists."""
     sources = (SOURCE, RACE_SOURCE)
-    key = hashlib.sha256(
-        "\0".join([*(s.read_text() for s in sources), *flags, compiler, version, _cpu_identity()]).encode()
-    ).hexdigest()[:16]
+    headers = [h for h in (SOURCE.with_name(name) for name in HEADERS) if h.exists()]
+    texts = [s.read_text() for s in (*sources, *headers)]
+    key = "\0".join([*texts, *flags, compiler, version, _cpu_identity()])
+    key = hashlib.sha256(key.encode()).hexdigest()[:16]
     target = _cache_dir() / f"paged_attention-{key}.so"
     if target.exists():
         return target
@@ -171,6 +174,10 @@ def library() -> ctypes.CDLL:
         ]  # fmt: skip
     lib.parkade_attention_features.restype = ctypes.c_int
     lib.parkade_attention_features.argtypes = []
+    if hasattr(lib, "parkade_attention_set_amx"):  # a build from before it (cpu_attention_bench) has not
+        lib.parkade_attention_set_amx.restype = ctypes.c_int
+        lib.parkade_attention_set_amx.argtypes = [ctypes.c_int]
+        lib.parkade_attention_set_amx(os.environ.get("PARKADE_CPU_AMX", "1") != "0")
     lib.parkade_write_kv.restype = ctypes.c_int
     lib.parkade_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.parkade_race.restype = ctypes.c_int
@@ -188,10 +195,17 @@ def shared_openmp() -> bool:
 
 def features() -> list[str]:
     """What the built kernel uses here: `avx2`, `avx512`, `avx512_bf16` (dot products on bf16
-    pairs), and `openmp` when its threads are torch's pool. Builds the kernel if needed."""
+    pairs), `amx` (bf16 tiles: built with them, granted them by Linux, not turned off), and
+    `openmp` when its threads are torch's pool. Builds the kernel if needed."""
     bits = library().parkade_attention_features()
     names = [name for bit, name in _FEATURES.items() if bits & bit and name != "openmp"]
     return names + (["openmp"] if shared_openmp() else [])
+
+
+def set_amx(on: bool) -> bool:
+    """Let the kernel use AMX tiles (where it was built with them and Linux grants them), or keep
+    it on the vector paths ($PARKADE_CPU_AMX=0 at load does the same); -> whether it now uses them."""
+    return bool(library().parkade_attention_set_amx(int(on)))
 
 
 def build() -> None:

@@ -126,6 +126,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         old_source = Path(tmp) / "paged_attention.c"
         old_source.write_text(old_text)
+        for name in attention_cpu.HEADERS:  # the headers it includes, at that revision, where it had them
+            path = f"{args.against}:{Path(SOURCE).with_name(name)}"
+            header = subprocess.run(["git", "show", path], cwd=ROOT, capture_output=True, text=True)
+            if header.returncode == 0:
+                old_source.with_name(name).write_text(header.stdout)
         builds = {"current": ROOT / SOURCE, args.against: old_source}
         cases = [(name, _decode_case(*shape)) for name, *shape in DECODE]
         cases += [(name, _prefill_case(*shape)) for name, *shape in PREFILL]

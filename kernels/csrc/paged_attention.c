@@ -35,6 +35,10 @@
  *     for all the query heads that read them, a head's accumulator held in registers across a
  *     tile (measured on an AVX512-BF16 EPYC, batch 64 at 400 keys: 1.4-1.6x the per-key loop
  *     below), and the scores' online softmax in registers (softmax_tile512: prefill 1.07-1.09x);
+ *   - with AMX tiles (`amx_tile`, `amx_bf16`), a bf16 cache, head_dim 64 or 128, block_size a
+ *     multiple of 16 and no sliding window, both a decode item and a prefill block run on the
+ *     tiles instead (attention_amx.h: S^T = K Q^T, an exact two-pass softmax, O = P V), where
+ *     VDPBF16PS retires only one per two cycles;
  *   - otherwise (e.g. head_dim 8 with AVX-512) scalar loops, which the compiler vectorizes as it can.
  * Every path first loads a tile's K and V rows in address order (touch_tile), except where the
  * item before on the same thread read the same rows (a prefill chunk's rows: they are in cache).
@@ -56,6 +60,11 @@
 #else
 #define HAVE_DPBF16 0
 #endif
+#if HAVE_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
 
 #define TILE 32
 #define MAX_HEAD_DIM 256
@@ -73,7 +82,7 @@
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 /* Bits of parkade_attention_features(): what this build uses. */
-enum { FEATURE_OPENMP = 1, FEATURE_AVX2 = 2, FEATURE_AVX512 = 4, FEATURE_AVX512_BF16 = 8 };
+enum { FEATURE_OPENMP = 1, FEATURE_AVX2 = 2, FEATURE_AVX512 = 4, FEATURE_AVX512_BF16 = 8, FEATURE_AMX = 16 };
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
@@ -82,6 +91,8 @@ typedef uint32_t vline __attribute__((vector_size(64))); /* one cache line */
 
 /* Present since q and out may be bf16 (the io_bf16 argument): older builds take fp32 only. */
 int parkade_attention_io_bf16(void) { return 1; }
+
+static int use_amx(void);
 
 int parkade_attention_features(void) {
     int f = 0;
@@ -95,6 +106,7 @@ int parkade_attention_features(void) {
     f |= FEATURE_AVX512;
 #endif
     if (HAVE_DPBF16) f |= FEATURE_AVX512_BF16;
+    if (use_amx()) f |= FEATURE_AMX;
     return f;
 }
 
@@ -175,6 +187,7 @@ typedef struct {
     void *out;
     int num_q_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_heads_per_item, io_bf16;
     float scale;
+    int amx; /* AMX tiles may be used (built with them, and the process was granted the tile state) */
 } Problem;
 
 /* fp32 -> bf16, rounded to nearest even (NaN -> 0x7FC0): torch's own conversion, bit for bit. */
@@ -579,7 +592,17 @@ static inline __attribute__((always_inline)) void run_block_dpbf16(const Problem
 }
 #endif
 
+#if HAVE_AMX
+#include "attention_amx.h"
+static int amx_permitted_now(void) { return amx_permitted(); }
+#else
+static int amx_permitted_now(void) { return 0; }
+#endif
+
 static void run_item(const Problem *pr, int64_t item, int touch) {
+#if HAVE_AMX
+    if (amx_fits(pr) && amx_item(pr, item, touch)) return;
+#endif
 #if HAVE_DPBF16
     if (pr->dtype == DTYPE_BF16 && pr->head_dim == 64) {
         run_item_dpbf16(pr, item, 64, touch);
@@ -670,7 +693,13 @@ static inline int same_keys(const Problem *pr, int64_t a, int64_t c) {
 
 /* Items [lo, hi) in order, on one thread. */
 static void run_items(const Problem *pr, int64_t lo, int64_t hi) {
+#if HAVE_AMX
+    if (pr->amx) amx_configure();
+#endif
     for (int64_t item = lo; item < hi; item++) run_item(pr, item, item == lo || !same_keys(pr, item - 1, item));
+#if HAVE_AMX
+    if (pr->amx) _tile_release();
+#endif
 }
 
 /* Keys an item reads: its cost for the split between threads. */
@@ -710,6 +739,18 @@ static void cost_range(const Problem *pr, const int64_t *costs, int64_t begin, i
     if (*hi < *lo) *hi = *lo;
 }
 
+static int amx_enabled = 1; /* parkade_attention_set_amx */
+
+/* Turns the AMX paths off (0) or on again (where built and granted): the tests and benchmarks
+ * compare them with the AVX512-BF16 paths in one process. -> whether AMX is now in use. */
+int parkade_attention_set_amx(int on) {
+    __atomic_store_n(&amx_enabled, on != 0, __ATOMIC_RELAXED);
+    return HAVE_AMX && on && amx_permitted_now();
+}
+
+/* Whether a call may use AMX tiles: built with them, granted them, and not turned off. */
+static int use_amx(void) { return HAVE_AMX && __atomic_load_n(&amx_enabled, __ATOMIC_RELAXED) && amx_permitted_now(); }
+
 /* The row path's shapes fit its fixed buffers: a work item's heads and K/V width, head_dim. */
 static int items_fit(int num_q_heads, int num_kv_heads, int head_dim, int kv_heads_per_item) {
     const int group = num_q_heads / num_kv_heads;
@@ -738,6 +779,7 @@ int paged_attention_rows(
     const Problem pr = {
         q, k_cache, v_cache, dtype, dtype == DTYPE_BF16 ? 2 : 4, block_table, table_stride, seq_lens, row_seq, out,
         num_q_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_heads_per_item, io_bf16, scale,
+        use_amx(),
     };
 #ifdef _OPENMP
     if (num_threads > 1) {
@@ -763,7 +805,13 @@ typedef struct {
 
 /* Units [lo, hi) in order, on one thread: a block (rows > 1) or one row's item of the row path. */
 static void run_units(const Problem *pr, const Units *un, int64_t lo, int64_t hi) {
+#if HAVE_AMX
+    if (pr->amx) amx_configure();
+#endif
     for (int64_t u = lo; u < hi; u++) {
+#if HAVE_AMX
+        if (un->rows[u] > 1 && amx_fits(pr) && amx_block(pr, un->row[u], un->rows[u], un->head[u])) continue;
+#endif
 #if HAVE_DPBF16
         if (un->rows[u] > 1) {
             if (pr->head_dim == 64) run_block_dpbf16(pr, un->row[u], un->rows[u], un->head[u], 64);
@@ -773,6 +821,9 @@ static void run_units(const Problem *pr, const Units *un, int64_t lo, int64_t hi
 #endif
         run_item(pr, un->row[u] * (pr->num_kv_heads / pr->kv_heads_per_item) + un->head[u] / pr->kv_heads_per_item, 1);
     }
+#if HAVE_AMX
+    if (pr->amx) _tile_release();
+#endif
 }
 
 /* A step's rows as units of work, split over the threads by the caller's costs: a unit of nrows > 1
@@ -795,7 +846,7 @@ int paged_attention_units(
             return -1;
     const Problem pr = {
         q, k_cache, v_cache, dtype, dtype == DTYPE_BF16 ? 2 : 4, block_table, table_stride, seq_lens, row_seq, out,
-        num_q_heads, num_kv_heads, head_dim, block_size, 0, kv_heads_per_item, io_bf16, scale,
+        num_q_heads, num_kv_heads, head_dim, block_size, 0, kv_heads_per_item, io_bf16, scale, use_amx(),
     };
     const Units units = {unit_row, unit_rows, unit_head};
 #ifdef _OPENMP

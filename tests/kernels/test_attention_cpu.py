@@ -139,15 +139,61 @@ def test_bf16_q_in_and_out_equals_the_fp32_call_rounded(two_threads, head_dim):
     assert torch.equal(got, wide.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("block_size", [16, 32, 8])  # 8: not a multiple of 16, so never the tiles
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "head_dim"), [(12, 4, 64), (4, 2, 128)])
+def test_the_amx_tiles_agree_with_the_vector_paths(
+    two_threads, block_size, num_q_heads, num_kv_heads, head_dim
+):
+    # A bf16 step of prefill chunks and decodes, on AMX tiles where this CPU has them and on the
+    # AVX512-BF16 paths: both near the dense reference and near each other (both round P.V's
+    # weights to bf16 in the blocks; the tiles' decodes too). Without AMX the switch is a no-op.
+    query_lens, seq_lens = [200, 33, 1, 1, 1, 5], [200, 97, 640, 31, 1, 300]
+    case = make_case(
+        seq_lens, query_lens, block_size=block_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, dtype=torch.bfloat16, seed=block_size + head_dim,
+    )  # fmt: skip
+    scale = head_dim**-0.5
+    has_amx = "amx" in attention_cpu.features()
+    try:
+        assert attention_cpu.set_amx(True) == has_amx
+        tiles = run_paged(case, scale, None, backend="cpu")
+        assert attention_cpu.set_amx(False) is False and "amx" not in attention_cpu.features()
+        vector = run_paged(case, scale, None, backend="cpu")
+    finally:
+        attention_cpu.set_amx(True)
+    expected = dense_reference(case, scale, None)
+    torch.testing.assert_close(tiles.double(), expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(vector.double(), expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(tiles.float(), vector.float(), atol=1e-2, rtol=1e-2)
+    if not has_amx or block_size % 16:
+        assert torch.equal(tiles, vector)
+    # The decodes alone (one query row a request): the row path's items.
+    shape = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    decode = decode_case(40, torch.bfloat16, **shape)
+    args = (decode.q, decode.k_cache, decode.v_cache, decode.block_table, list(decode.seq_lens), scale, None)
+    try:
+        attention_cpu.set_amx(True)
+        tiles = attention_cpu.decode_attention(*args)
+        attention_cpu.set_amx(False)
+        vector = attention_cpu.decode_attention(*args)
+    finally:
+        attention_cpu.set_amx(True)
+    expected = attention_torch.decode_batch(*args)
+    torch.testing.assert_close(tiles.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(tiles.float(), vector.float(), atol=1e-2, rtol=1e-2)
+
+
 def test_the_kernel_reports_what_it_uses():
     names = attention_cpu.features()
-    assert set(names) <= {"avx2", "avx512", "avx512_bf16", "openmp"}
+    assert set(names) <= {"avx2", "avx512", "avx512_bf16", "amx", "openmp"}
     with open("/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith("flags")).split()
     # -march=native: the build uses exactly what this CPU has.
     assert ("avx512" in names) == ("avx512f" in flags)
     assert ("avx512_bf16" in names) == ("avx512_bf16" in flags and "avx512f" in flags)
     assert ("avx2" in names) == ("avx2" in flags)
+    # AMX tiles: built and granted (Linux >= 5.16 grants them on request) where the CPU has them.
+    assert ("amx" in names) == ({"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags))
     assert "openmp" in names  # CI's gcc has OpenMP, and torch's libgomp is the only runtime loaded
 
 
