@@ -183,6 +183,21 @@ def test_the_amx_tiles_agree_with_the_vector_paths(
     torch.testing.assert_close(tiles.float(), vector.float(), atol=1e-2, rtol=1e-2)
 
 
+def test_the_amx_tiles_leave_onednn_matmuls_alone(two_threads):
+    # oneDNN's bf16 matmuls configure the same tile registers (on AMX CPUs): the kernel loads its
+    # own configuration per call and releases it after, so neither disturbs the other's results.
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 768, generator=gen).to(torch.bfloat16)
+    w = torch.randn(4096, 768, generator=gen).to(torch.bfloat16)
+    case = decode_case(48, torch.bfloat16, num_q_heads=12, num_kv_heads=4, head_dim=64)
+    args = (case.q, case.k_cache, case.v_cache, case.block_table, list(case.seq_lens), 0.125, None)
+    y0, a0 = torch.nn.functional.linear(x, w), attention_cpu.decode_attention(*args)
+    for _ in range(20):
+        assert torch.equal(attention_cpu.decode_attention(*args), a0)
+        assert torch.equal(torch.nn.functional.linear(x, w), y0)
+    torch.testing.assert_close(y0.float(), x.float() @ w.float().T, atol=0.5, rtol=2e-2)
+
+
 def test_the_kernel_reports_what_it_uses():
     names = attention_cpu.features()
     assert set(names) <= {"avx2", "avx512", "avx512_bf16", "amx", "openmp"}
