@@ -5,7 +5,7 @@
  * Why: on the AMX machines measured (2 vCPU Xeon, 2026-12-05), VDPBF16PS retires one per two
  * cycles (16 bf16 products a cycle, against four times that on a Zen 5), so the AVX512-BF16 paths
  * spent most of a decode step's attention computing; one TDPBF16PS multiplies a 16x32 by a 32x16
- * bf16 tile (8,192 products) in about 16 cycles, whatever the rows used.
+ * bf16 tile (8,192 products) in about 4.9 ns (some 18 cycles), whatever the rows used.
  *
  * The work is a set of up to 16 columns: query vectors of one request, each with its KV head (a
  * decode item's query heads, or a prefill block's rows x its group's heads) and the keys it sees

@@ -81,7 +81,7 @@
 #endif
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-/* Bits of parkade_attention_features(): what this build uses. */
+/* Bits of parkade_attention_features(): what this build uses (AMX: and may use now, see use_amx). */
 enum { FEATURE_OPENMP = 1, FEATURE_AVX2 = 2, FEATURE_AVX512 = 4, FEATURE_AVX512_BF16 = 8, FEATURE_AMX = 16 };
 
 typedef float vf __attribute__((vector_size(VL * 4)));
@@ -594,9 +594,6 @@ static inline __attribute__((always_inline)) void run_block_dpbf16(const Problem
 
 #if HAVE_AMX
 #include "attention_amx.h"
-static int amx_permitted_now(void) { return amx_permitted(); }
-#else
-static int amx_permitted_now(void) { return 0; }
 #endif
 
 static void run_item(const Problem *pr, int64_t item, int touch) {
@@ -745,11 +742,17 @@ static int amx_enabled = 1; /* parkade_attention_set_amx */
  * compare them with the AVX512-BF16 paths in one process. -> whether AMX is now in use. */
 int parkade_attention_set_amx(int on) {
     __atomic_store_n(&amx_enabled, on != 0, __ATOMIC_RELAXED);
-    return HAVE_AMX && on && amx_permitted_now();
+    return use_amx();
 }
 
 /* Whether a call may use AMX tiles: built with them, granted them, and not turned off. */
-static int use_amx(void) { return HAVE_AMX && __atomic_load_n(&amx_enabled, __ATOMIC_RELAXED) && amx_permitted_now(); }
+static int use_amx(void) {
+#if HAVE_AMX
+    return __atomic_load_n(&amx_enabled, __ATOMIC_RELAXED) && amx_permitted();
+#else
+    return 0;
+#endif
+}
 
 /* The row path's shapes fit its fixed buffers: a work item's heads and K/V width, head_dim. */
 static int items_fit(int num_q_heads, int num_kv_heads, int head_dim, int kv_heads_per_item) {
