@@ -387,6 +387,7 @@ def _blocks_built() -> bool:
 
 # How much faster a block computes a row's keys than the row path, for the split between threads:
 # 2.4-2.9x measured on an AVX512-BF16 EPYC, one thread, 8 prompts of 256 tokens (groups 2, 3, 4).
+# (Not measured again for the AMX paths, where blocks and rows both changed speed.)
 BLOCK_SPEEDUP = 2.5
 
 
@@ -401,7 +402,8 @@ def _attend_units(
     scale: float,
 ) -> torch.Tensor:
     """Prefill chunks in blocks of rows against each KV head (all the query vectors of a KV head
-    in one register: `run_block_dpbf16`), decode rows on the row path, in one call."""
+    in one register: `run_block_dpbf16`; the columns of one tile where AMX is in use:
+    `amx_block`), decode rows on the row path, in one call."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads

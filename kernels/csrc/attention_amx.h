@@ -1,6 +1,7 @@
 /* Paged attention on AMX tiles (Intel Sapphire Rapids and later: `amx_tile`, `amx_bf16`), for a
  * bf16 cache with head_dim 64 or 128, block_size a multiple of 16 and no sliding window.
- * Included by paged_attention.c (its Problem, slot_of, load_q_bf16, store_out, exp512_nonpositive).
+ * Included by paged_attention.c (its Problem, slot_of, load_q_bf16, store_out, exp512_nonpositive,
+ * touch_tile, pair_index).
  *
  * Why: on the AMX machines measured (2 vCPU Xeon, 2026-12-05), VDPBF16PS retires one per two
  * cycles (16 bf16 products a cycle, against four times that on a Zen 5), so the AVX512-BF16 paths
@@ -170,19 +171,11 @@ static inline __attribute__((always_inline)) int amx_attend(const Problem *pr, c
         m = _mm512_mask_max_ps(m, valid, m, _mm512_mul_ps(_mm512_load_ps(S + 16 * k), scale));
     }
 
-    /* 16-bit lane indices: (x[i], y[i]) and (x[16 + i], y[16 + i]) side by side. */
-    __m512i pair_lo, pair_hi;
-    {
-        uint16_t lo[32], hi[32];
-        for (int i = 0; i < 16; i++) {
-            lo[2 * i] = i, lo[2 * i + 1] = 32 + i;
-            hi[2 * i] = 16 + i, hi[2 * i + 1] = 48 + i;
-        }
-        pair_lo = _mm512_loadu_si512(lo), pair_hi = _mm512_loadu_si512(hi);
-    }
+    /* (x[i], y[i]) and (x[16 + i], y[16 + i]) of two V rows x, y as bf16 pairs. */
+    const __m512i pair_lo = pair_index(0, 32), pair_hi = pair_index(16, 48);
     if (cs->nheads > 1) memset(stage, 0, tile * (size_t)cs->nheads);
 
-    for (int d0 = 0; d0 < D; d0 += 64) {
+    for (int d0 = 0; d0 < D; d0 += 64) { /* D is 64 or 128: whole groups of 64 dims */
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -211,7 +204,7 @@ static inline __attribute__((always_inline)) int amx_attend(const Problem *pr, c
                 for (int r = 0; r < 16; r++) {
                     const int a = k0 + 2 * r, b = a + 1;
                     const int64_t row_a = r < 8 ? row0 + 2 * r * row_bytes : row16 + (2 * r - 16) * row_bytes;
-                    for (int c = 0; c < 2 && d0 + 32 * c < D; c++) {
+                    for (int c = 0; c < 2; c++) { /* dims d0 + 32c .. d0 + 32c + 31 */
                         const char *va = v_base + row_a + (int64_t)h * D * 2 + (int64_t)(d0 + 32 * c) * 2;
                         const __m512i x = a < max_len ? _mm512_loadu_si512(va) : _mm512_setzero_si512();
                         const __m512i y = b < max_len ? _mm512_loadu_si512(va + row_bytes) : _mm512_setzero_si512();
@@ -231,20 +224,16 @@ static inline __attribute__((always_inline)) int amx_attend(const Problem *pr, c
                 _tile_dpbf16ps(0, 4, 5);
                 _tile_loadd(5, vh + 256, 64);
                 _tile_dpbf16ps(1, 4, 5);
-                if (D - d0 > 32) {
-                    _tile_loadd(5, vh + 512, 64);
-                    _tile_dpbf16ps(2, 4, 5);
-                    _tile_loadd(5, vh + 768, 64);
-                    _tile_dpbf16ps(3, 4, 5);
-                }
+                _tile_loadd(5, vh + 512, 64);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(5, vh + 768, 64);
+                _tile_dpbf16ps(3, 4, 5);
             }
         }
         _tile_stored(0, obuf + d0, D * 4);
         _tile_stored(1, obuf + d0 + 16, D * 4);
-        if (D - d0 > 32) {
-            _tile_stored(2, obuf + d0 + 32, D * 4);
-            _tile_stored(3, obuf + d0 + 48, D * 4);
-        }
+        _tile_stored(2, obuf + d0 + 32, D * 4);
+        _tile_stored(3, obuf + d0 + 48, D * 4);
     }
     float inv[16] __attribute__((aligned(64)));
     _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));

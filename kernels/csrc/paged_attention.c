@@ -481,6 +481,17 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
  * within 1.3x (five head shapes). Measured on an AVX512-BF16 EPYC (Zen 5), one thread, 8 prompts
  * of 256 tokens: 2.4-2.9x the row path (fp32 FMAs for P.V and the scores' loop over keys kept in
  * memory: 1.5-1.9x). */
+/* 16-bit lane indices for _mm512_permutex(2)var_epi16 that put elements a + i and b + i side by
+ * side as a bf16 pair, i < 16 (b >= 32: the second operand's element b - 32 + i). */
+static inline __m512i pair_index(int a, int b) {
+    uint16_t idx[32];
+    for (int i = 0; i < 16; i++) {
+        idx[2 * i] = (uint16_t)(a + i);
+        idx[2 * i + 1] = (uint16_t)(b + i);
+    }
+    return _mm512_loadu_si512(idx);
+}
+
 static inline __attribute__((always_inline)) void run_block_dpbf16(const Problem *pr, int64_t row0, int nrows, int h, const int D) {
     const int G = pr->num_q_heads / pr->num_kv_heads;
     const int used = nrows * G;
@@ -492,17 +503,8 @@ static inline __attribute__((always_inline)) void run_block_dpbf16(const Problem
     static _Thread_local uint32_t qt[MAX_HEAD_DIM / 2 * 16] __attribute__((aligned(64))); /* [pair][lane] */
     static _Thread_local float acc[MAX_HEAD_DIM * 16] __attribute__((aligned(64)));       /* [d][lane] */
     static _Thread_local uint32_t vp[8 * MAX_HEAD_DIM] __attribute__((aligned(64)));     /* [pair][d] */
-    /* 16-bit lane indices: (x[i], x[16 + i]) side by side; (x[i], y[i]) and (x[16 + i], y[16 + i]). */
-    __m512i pair_lanes, pair_lo, pair_hi;
-    {
-        uint16_t il[32], lo[32], hi[32];
-        for (int i = 0; i < 16; i++) {
-            il[2 * i] = i, il[2 * i + 1] = 16 + i;
-            lo[2 * i] = i, lo[2 * i + 1] = 32 + i;
-            hi[2 * i] = 16 + i, hi[2 * i + 1] = 48 + i;
-        }
-        pair_lanes = _mm512_loadu_si512(il), pair_lo = _mm512_loadu_si512(lo), pair_hi = _mm512_loadu_si512(hi);
-    }
+    /* (x[i], x[16 + i]) side by side; (x[i], y[i]) and (x[16 + i], y[16 + i]) of two rows x, y. */
+    const __m512i pair_lanes = pair_index(0, 16), pair_lo = pair_index(0, 32), pair_hi = pair_index(16, 48);
     int32_t lens[16] __attribute__((aligned(64)));
     int max_len = 0;
     for (int i = 0; i < 16; i++) {
@@ -832,7 +834,7 @@ static void run_units(const Problem *pr, const Units *un, int64_t lo, int64_t hi
 /* A step's rows as units of work, split over the threads by the caller's costs: a unit of nrows > 1
  * is a block of a prefill chunk's rows (consecutive rows of one request, nrows <= 16 / group)
  * against KV head `head` (run_block_dpbf16: a bf16 cache, head_dim 64 or 128, no sliding window,
- * on a build with AVX512-BF16); a unit of one row is the row path's item for that row and its
+ * on a build with AVX512-BF16; amx_block where the tiles are in use); a unit of one row is the row path's item for that row and its
  * `kv_heads_per_item` heads from `head` (run_item). Returns -1 where the shapes do not fit, as
  * paged_attention_rows, and also where a block cannot run on this build. */
 int paged_attention_units(
