@@ -244,7 +244,9 @@ def check(args: argparse.Namespace) -> str | None:
         max_model_len = resolve_max_model_len(
             max_positions(args.model, executor.simulate), executor.max_model_len
         )
-        check_options(scheduler.options, block_size=executor.block_size, max_model_len=max_model_len)
+        # NOTE: the block size only has to be valid here; with device auto, either default is.
+        block_size = executor.block_size_on(executor.device)
+        check_options(scheduler.options, block_size=block_size, max_model_len=max_model_len)
     except ValueError as error:
         return str(error)
     if args.port is not None and not os.environ.get("KAFKA_BOOTSTRAP_SERVERS") and _port_in_use(args.port):

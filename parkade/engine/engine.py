@@ -42,13 +42,13 @@ def build_engine_parts(args: EngineArgs) -> tuple[Scheduler, Executor | Simulate
     scheduling = args.options(SchedulingOptions)
     executor, max_model_len = build_executor(
         args.options(ExecutorOptions),
-        before_load=lambda max_len: check_options(
-            scheduling, block_size=args.block_size, max_model_len=max_len
+        before_load=lambda max_len, block_size: check_options(
+            scheduling, block_size=block_size, max_model_len=max_len
         ),
         environ=os.environ,
     )
     geometry = KVGeometry(
-        executor.num_blocks, args.block_size, max_model_len, executor.default_batched_tokens
+        executor.num_blocks, executor.block_size, max_model_len, executor.default_batched_tokens
     )
     return Scheduler(SchedulerConfig.build(scheduling, geometry)), executor
 

@@ -10,6 +10,7 @@ without it (a service that starts in a second and holds no torch).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable, Mapping
@@ -53,8 +54,9 @@ def kv_pool_budget(
             log.info("kv_cache_memory_bytes is set: gpu_memory_utilization does not size the KV pool")
         return options.kv_cache_memory_bytes
     # Enough for CPU_KV_SEQS requests at full length: tiny models get a small pool.
-    wanted_blocks = CPU_KV_SEQS * (max_model_len // options.block_size + 1)
-    wanted = wanted_blocks * bytes_per_block(model_config, options.block_size, model_config.dtype)
+    block_size = options.block_size_on(device.type)
+    wanted_blocks = CPU_KV_SEQS * (max_model_len // block_size + 1)
+    wanted = wanted_blocks * bytes_per_block(model_config, block_size, model_config.dtype)
     share = options.gpu_memory_utilization
     if share is None:
         return min(CPU_KV_BYTES, wanted) if device.type == "cpu" else None
@@ -102,13 +104,14 @@ def _ready_on_cpu(executor: Executor, config: ModelConfig, *, reserve: bool) -> 
 def build_executor(
     options: ExecutorOptions,
     *,
-    before_load: Callable[[int], None] | None = None,
+    before_load: Callable[[int, int], None] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[Executor | SimulatedExecutor, int]:
-    """Load the model and allocate the KV pool -> (executor, effective max_model_len).
+    """Load the model and allocate the KV pool -> (executor, effective max_model_len). The
+    executor's `block_size` is the options', or the device's default (`block_size_on`).
 
-    `before_load(max_model_len)` runs once the config is read and before the weights load, so
-    that settings which cannot work fail fast. `environ`: the process's environment, which may
+    `before_load(max_model_len, block_size)` runs once the config is read and before the weights
+    load, so that settings which cannot work fail fast. `environ`: the process's environment, which may
     set the allocator up (see cpu_malloc.py; None: the allocator is left alone). Raises
     ValueError (ModelFolderError for a folder that lacks a file) for settings the model or the
     pool cannot meet.
@@ -124,10 +127,11 @@ def build_executor(
 
     check_model_folder(options.model, tokenizer=False)
     device = resolve_device(options)
+    options = dataclasses.replace(options, block_size=options.block_size_on(device.type))
     model_config = ModelConfig.from_pretrained(options.model, options.dtype)
     max_model_len = resolve_max_model_len(model_config.max_position_embeddings, options.max_model_len)
     if before_load is not None:
-        before_load(max_model_len)
+        before_load(max_model_len, options.block_size)
     executor = Executor(
         model_config,
         block_size=options.block_size,

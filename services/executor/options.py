@@ -27,6 +27,13 @@ DEVICES = ("auto", "cpu", "cuda")
 # number, not the scheduler's max_num_seqs: the executor must size its pool alike in one process
 # and as a service, which never sees the scheduler's options.
 CPU_KV_SEQS = 256
+# The KV block size when none is given, as vLLM's (its CPU backend's 128, its GPU default 16). On a
+# CPU a request's keys then lie in longer contiguous runs, which the hardware prefetchers stream:
+# small-llama's decode attention took 8% less time at 128 than at 16 on an AMX Xeon (2026-12-06),
+# the whole run 2-7% less. The cost is at most 127 unfilled slots a request, and prefix caching
+# in units of 128 tokens.
+CPU_BLOCK_SIZE = 128
+GPU_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +48,13 @@ class ExecutorOptions:
     device: str = field(
         default="auto", metadata={"help": "auto: cuda when available, else cpu", "choices": DEVICES}
     )
-    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    block_size: int | None = field(
+        default=None,
+        metadata={
+            "help": f"tokens per KV block; unset: {CPU_BLOCK_SIZE} on a CPU, {GPU_BLOCK_SIZE} on CUDA (and "
+            "simulated GPUs), as in vLLM"
+        },
+    )
     kv_cache_memory_bytes: int | None = field(
         default=None,
         metadata={
@@ -115,6 +128,12 @@ class ExecutorOptions:
         },
     )
 
+    def block_size_on(self, device_type: str) -> int:
+        """The block size on a device of this type ("cpu", "cuda"): the one given, else the default."""
+        if self.block_size is not None:
+            return self.block_size
+        return CPU_BLOCK_SIZE if device_type == "cpu" else GPU_BLOCK_SIZE
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention_backend", AttentionBackend.parse(self.attention_backend))
         object.__setattr__(self, "device", "auto" if self.device is None else str(self.device))
@@ -122,9 +141,7 @@ class ExecutorOptions:
             raise ValueError(f"device must be one of {', '.join(DEVICES)} or cuda:N; got {self.device!r}")
         if isinstance(self.dtype, str):
             check_dtype_name(self.dtype)
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        for name in ("kv_cache_memory_bytes", "max_model_len"):
+        for name in ("block_size", "kv_cache_memory_bytes", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or unset, got {value}")

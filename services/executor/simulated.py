@@ -20,7 +20,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from parkade.schemas import (
     CachedRequestData,
@@ -283,15 +283,16 @@ def simulated_kv_bytes(options: ExecutorOptions, simulation: Simulation) -> int:
 
 
 def build_simulated_executor(
-    options: ExecutorOptions, *, vocab_size: int, before_load: Callable[[int], None] | None = None
+    options: ExecutorOptions, *, vocab_size: int, before_load: Callable[[int, int], None] | None = None
 ) -> tuple[SimulatedExecutor, int]:
     """-> (the executor, its effective max_model_len), as `build_executor` does for a real one."""
     assert options.simulate is not None
+    options = replace(options, block_size=options.block_size_on("cuda"))  # a simulated GPU
     simulation = Simulation.parse(options.simulate)
     model = simulation.model
     max_model_len = resolve_max_model_len(model.max_position_embeddings, options.max_model_len)
     if before_load is not None:
-        before_load(max_model_len)
+        before_load(max_model_len, options.block_size)
     budget = simulated_kv_bytes(options, simulation)
     per_block = model.kv_bytes_per_token * options.block_size
     num_blocks = budget // per_block

@@ -21,7 +21,7 @@ from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor import kv_budget
 from parkade.services.executor.build import kv_pool_budget
 from parkade.services.executor.kv_pool import bytes_per_block
-from parkade.services.executor.options import CPU_KV_BYTES, CPU_KV_SEQS, ExecutorOptions
+from parkade.services.executor.options import CPU_BLOCK_SIZE, CPU_KV_BYTES, CPU_KV_SEQS, ExecutorOptions
 from parkade.services.scheduler.scheduler import SchedulerStats
 
 GIB = 2**30
@@ -75,7 +75,8 @@ def test_gpu_memory_utilization_must_be_a_share(share):
 def test_the_budget_build_hands_the_executor(monkeypatch):
     config = ModelConfig.from_pretrained(DEFAULT_MODEL, "float32")
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    wanted = CPU_KV_SEQS * (128 // 16 + 1) * bytes_per_block(config, 16, torch.float32)
+    block = CPU_BLOCK_SIZE  # the default on a CPU
+    wanted = CPU_KV_SEQS * (128 // block + 1) * bytes_per_block(config, block, torch.float32)
     # Unset: today's defaults (a capped CPU pool; None = CUDA's share of the free memory).
     assert kv_pool_budget(ExecutorOptions(), cpu, config, 128) == min(CPU_KV_BYTES, wanted)
     assert kv_pool_budget(ExecutorOptions(), cuda, config, 128) is None
@@ -114,7 +115,7 @@ def test_a_vllm_script_runs(caplog, monkeypatch, every_step):
     outputs = llm.generate(["Once upon a time", "Lily and Tom"], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8]
     assert llm.engine.core.scheduler.config.max_num_seqs == 8
-    assert llm.engine.core.scheduler.config.num_blocks == CPU_KV_SEQS * (128 // 16 + 1)
+    assert llm.engine.core.scheduler.config.num_blocks == CPU_KV_SEQS * (128 // CPU_BLOCK_SIZE + 1)
     lines = stats_lines(caplog)
     assert lines and all("Avg prompt throughput" in line for line in lines)
     assert "Running: 2 reqs, Waiting: 0 reqs" in lines[0]
@@ -124,7 +125,7 @@ def test_a_vllm_script_runs(caplog, monkeypatch, every_step):
 
 
 def test_gpu_memory_utilization_sizes_the_pool_on_a_cpu(caplog, monkeypatch, every_step):
-    block_bytes = 2 * 5 * 16 * 4 * 8 * 4  # K and V, 5 layers, 16 tokens, 4 KV heads of 8, fp32
+    block_bytes = 2 * 5 * CPU_BLOCK_SIZE * 4 * 8 * 4  # K and V, 5 layers, a CPU block, 4 KV heads of 8, fp32
     # Half of "the machine" is 100 blocks beyond this process's resident memory.
     monkeypatch.setattr(kv_budget, "machine_memory_bytes", lambda: 2 * 100 * block_bytes + 2 * GIB)
     monkeypatch.setattr(kv_budget, "resident_bytes", lambda: GIB)
