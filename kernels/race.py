@@ -63,6 +63,8 @@ def uniforms(keys: Sequence[int], vocab: int, device: torch.device | str = "cpu"
 
 def race_torch(z: torch.Tensor, temperature: Sequence[float], keys: Sequence[int]) -> torch.Tensor:
     """The race in torch ops on z's device: z [m, vocab] float -> [m] int64."""
+    if not any(temperature):  # all greedy: no noise to draw
+        return z.argmax(dim=-1)
     vocab = z.shape[1]
     t = torch.tensor(temperature, dtype=torch.float32, device=z.device)[:, None]
     gumbel = -uniforms(keys, vocab, z.device).log().neg_().log_()
