@@ -29,7 +29,7 @@ DEVICES = ("auto", "cpu", "cuda")
 CPU_KV_SEQS = 256
 # The KV block size when none is given, as vLLM's (its CPU backend's 128, its GPU default 16). On a
 # CPU a request's keys then lie in longer contiguous runs, which the hardware prefetchers stream:
-# small-llama's decode attention took 8% less time at 128 than at 16 on an AMX Xeon (2026-12-06),
+# small-llama's decode attention took 8% less time at 128 than at 16 on an AMX Xeon (2026-12-05),
 # the whole run 2-7% less. The cost is at most 127 unfilled slots a request, and prefix caching
 # in units of 128 tokens.
 CPU_BLOCK_SIZE = 128

@@ -72,6 +72,14 @@ def test_gpu_memory_utilization_must_be_a_share(share):
         ExecutorOptions(gpu_memory_utilization=share)
 
 
+def test_the_block_size_is_vllms_default_for_the_device_unless_given():
+    assert ExecutorOptions().block_size_on("cpu") == CPU_BLOCK_SIZE == 128
+    assert ExecutorOptions().block_size_on("cuda") == 16
+    assert ExecutorOptions(block_size=32).block_size_on("cpu") == 32
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        ExecutorOptions(block_size=0)
+
+
 def test_the_budget_build_hands_the_executor(monkeypatch):
     config = ModelConfig.from_pretrained(DEFAULT_MODEL, "float32")
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -116,6 +124,8 @@ def test_a_vllm_script_runs(caplog, monkeypatch, every_step):
     assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8]
     assert llm.engine.core.scheduler.config.max_num_seqs == 8
     assert llm.engine.core.scheduler.config.num_blocks == CPU_KV_SEQS * (128 // CPU_BLOCK_SIZE + 1)
+    core = llm.engine.core
+    assert core.scheduler.config.block_size == core.executor.block_size == CPU_BLOCK_SIZE  # unset: a CPU's
     lines = stats_lines(caplog)
     assert lines and all("Avg prompt throughput" in line for line in lines)
     assert "Running: 2 reqs, Waiting: 0 reqs" in lines[0]

@@ -54,6 +54,17 @@ def test_greedy_is_argmax():
     assert logprobs == [None] * 6
 
 
+def test_the_greedy_fast_path_keeps_argmax_rules_for_ties_inf_and_nan():
+    # On a CPU the fast path is the race kernel's greedy pass: torch's argmax is the reference.
+    logits = torch.randn(4, 700, generator=torch.Generator().manual_seed(4))
+    logits[0, [7, 600]] = 50.0  # a tie: the first
+    logits[1] = float("-inf")  # nothing finite: id 0
+    logits[2, [9, 650]] = float("nan")  # nan wins, the first one
+    logits[3, 699] = float("inf")
+    tokens, _ = sample(logits, [row(temperature=0.0) for _ in range(4)], None)
+    assert tokens == logits.argmax(-1).tolist() == [7, 0, 9, 699]
+
+
 def test_the_greedy_fast_path_answers_as_the_full_path_and_only_when_it_may():
     logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(3))
     before = logits.clone()
