@@ -241,12 +241,6 @@ static inline __attribute__((always_inline)) int amx_attend(const Problem *pr, c
     return 1;
 }
 
-/* Whether this problem's shapes run on AMX: see the top of this file. */
-static inline int amx_fits(const Problem *pr) {
-    return pr->amx && pr->dtype == DTYPE_BF16 && (pr->head_dim == 64 || pr->head_dim == 128) &&
-           pr->sliding_window == 0 && pr->block_size % 16 == 0;
-}
-
 /* run_item's item on AMX, its query heads in sets of whole KV heads of at most 16 columns; 0 when
  * a KV head's group alone has more than 16 query heads (or scratch is short). */
 static int amx_item(const Problem *pr, int64_t item, int touch) {

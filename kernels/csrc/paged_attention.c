@@ -187,7 +187,7 @@ typedef struct {
     void *out;
     int num_q_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_heads_per_item, io_bf16;
     float scale;
-    int amx; /* AMX tiles may be used (built with them, and the process was granted the tile state) */
+    int amx; /* the call runs on AMX tiles (amx_for): granted them, and shapes they take */
 } Problem;
 
 /* fp32 -> bf16, rounded to nearest even (NaN -> 0x7FC0): torch's own conversion, bit for bit. */
@@ -600,7 +600,7 @@ static inline __attribute__((always_inline)) void run_block_dpbf16(const Problem
 
 static void run_item(const Problem *pr, int64_t item, int touch) {
 #if HAVE_AMX
-    if (amx_fits(pr) && amx_item(pr, item, touch)) return;
+    if (pr->amx && amx_item(pr, item, touch)) return;
 #endif
 #if HAVE_DPBF16
     if (pr->dtype == DTYPE_BF16 && pr->head_dim == 64) {
@@ -756,6 +756,14 @@ static int use_amx(void) {
 #endif
 }
 
+/* Whether a call runs on AMX tiles: use_amx(), and shapes the tiles take (a bf16 cache, head_dim
+ * 64 or 128, no sliding window, block_size a multiple of 16: see attention_amx.h). Decided once
+ * per call, so that a call the tiles cannot serve neither loads nor releases their configuration. */
+static int amx_for(int dtype, int head_dim, int sliding_window, int block_size) {
+    return dtype == DTYPE_BF16 && (head_dim == 64 || head_dim == 128) && sliding_window == 0 &&
+           block_size % 16 == 0 && use_amx();
+}
+
 /* The row path's shapes fit its fixed buffers: a work item's heads and K/V width, head_dim. */
 static int items_fit(int num_q_heads, int num_kv_heads, int head_dim, int kv_heads_per_item) {
     const int group = num_q_heads / num_kv_heads;
@@ -784,7 +792,7 @@ int paged_attention_rows(
     const Problem pr = {
         q, k_cache, v_cache, dtype, dtype == DTYPE_BF16 ? 2 : 4, block_table, table_stride, seq_lens, row_seq, out,
         num_q_heads, num_kv_heads, head_dim, block_size, sliding_window, kv_heads_per_item, io_bf16, scale,
-        use_amx(),
+        amx_for(dtype, head_dim, sliding_window, block_size),
     };
 #ifdef _OPENMP
     if (num_threads > 1) {
@@ -815,7 +823,7 @@ static void run_units(const Problem *pr, const Units *un, int64_t lo, int64_t hi
 #endif
     for (int64_t u = lo; u < hi; u++) {
 #if HAVE_AMX
-        if (un->rows[u] > 1 && amx_fits(pr) && amx_block(pr, un->row[u], un->rows[u], un->head[u])) continue;
+        if (un->rows[u] > 1 && pr->amx && amx_block(pr, un->row[u], un->rows[u], un->head[u])) continue;
 #endif
 #if HAVE_DPBF16
         if (un->rows[u] > 1) {
@@ -851,7 +859,8 @@ int paged_attention_units(
             return -1;
     const Problem pr = {
         q, k_cache, v_cache, dtype, dtype == DTYPE_BF16 ? 2 : 4, block_table, table_stride, seq_lens, row_seq, out,
-        num_q_heads, num_kv_heads, head_dim, block_size, 0, kv_heads_per_item, io_bf16, scale, use_amx(),
+        num_q_heads, num_kv_heads, head_dim, block_size, 0, kv_heads_per_item, io_bf16, scale,
+        amx_for(dtype, head_dim, 0, block_size),
     };
     const Units units = {unit_row, unit_rows, unit_head};
 #ifdef _OPENMP
