@@ -10,10 +10,12 @@ a warm-up round, then the timed round of `bench_serve.py` (the anchors' wrapper 
 `vllm bench serve`): random prompts of `--input-len` tokens, `--output-len` tokens out, EOS ignored,
 all sent at once by default. Prints one JSON document: for each run (`runs`), each server's output
 tok/s, TTFT and TPOT (mean, median, p99), the TTFT's deciles, completed and failed requests, its
-start-up time (until `/health` says 200), and Parkade over vLLM; over the runs, `parkade_over_vllm`
-(each ratio's median) and `runs_meeting_goal`: the runs where every request of both servers completed,
-Parkade's throughput was at least vLLM's and both its mean TTFT and mean TPOT no worse (the online
-goal of the project's issue 26).
+start-up time (until `/health` says 200), the CPU seconds each of its processes and the client used
+during the timed round (`cpu_s`: on a small machine the server's processes and the client share the
+cores, so a pipeline's own CPU slows its model's steps), and Parkade over vLLM; over the runs,
+`parkade_over_vllm` (each ratio's median) and `runs_meeting_goal`: the runs where every request of
+both servers completed, Parkade's throughput was at least vLLM's and both its mean TTFT and mean
+TPOT no worse (the online goal of the project's issue 26).
 
 `--repeat N` runs the pair N times, each server started fresh, vLLM first in even runs and Parkade
 first in odd ones: a VM's speed drifts by more than the difference between the two, so one pair
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -101,7 +104,9 @@ def serve_and_bench(args: argparse.Namespace, name: str, command: list[str], env
         # only once they can serve.
         ready_s = wait_ready(f"http://127.0.0.1:{port}/health", proc, args.ready_timeout)
         bench(args, port, tmp, f"{name}-warmup", min(16, args.num_prompts))
+        before, client_before = group_cpu_s(proc.pid), children_cpu_s()
         result = bench(args, port, tmp, name, args.num_prompts)
+        after, client_after = group_cpu_s(proc.pid), children_cpu_s()
     finally:
         stop(proc)
         log.close()
@@ -109,7 +114,51 @@ def serve_and_bench(args: argparse.Namespace, name: str, command: list[str], env
         "ready_s": round(ready_s, 1),
         **{key: result.get(key) for key in METRICS},
         "ttft_ms_deciles": ttft_deciles_ms(result),
+        "cpu_s": {
+            **{label: round(after[label] - before.get(label, 0.0), 2) for label in sorted(after)},
+            "client": round(client_after - client_before, 2),
+        },
     }
+
+
+def group_cpu_s(pgid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each live process in group `pgid` (a server started
+    with start_new_session), summed by label: a Parkade service's name, else the program's."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        # Fields after the parenthesised name (which may hold spaces): state is 0, pgrp 2, utime 11.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) != pgid:
+            continue
+        label = process_label([arg.decode(errors="replace") for arg in argv if arg])
+        totals[label] = totals.get(label, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return totals
+
+
+def process_label(argv: list[str]) -> str:
+    """A process's label by its command line: `python -m parkade.cli executor ...` -> "executor",
+    `python -m vllm.entrypoints...` -> the module, `.../parkade up` -> "parkade up", else the
+    program's name up to its first "-" (`tansu-v0.6.0-...` -> "tansu")."""
+    if "-m" in argv[:-1]:
+        module = argv[argv.index("-m") + 1 :]
+        return module[1] if module[0] == "parkade.cli" and len(module) > 1 else module[0]
+    if len(argv) > 2 and Path(argv[1]).name == "parkade":
+        return f"parkade {argv[2]}"
+    return Path(argv[0]).name.split("-")[0] if argv else "?"
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's waited-for children (the client is one)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def ttft_deciles_ms(result: dict) -> list[float]:

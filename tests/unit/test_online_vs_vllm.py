@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 from loadtest_scripts import load_script
 
@@ -52,3 +57,39 @@ def test_the_ttft_deciles_leave_out_failed_requests():
     assert online.ttft_deciles_ms(failed) == [100.0] * 5 + [200.0] * 6
     assert online.ttft_deciles_ms({"ttfts": [0.0], "errors": ["refused"]}) == []
     assert online.ttft_deciles_ms({}) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "label"),
+    [
+        (["/venv/bin/python3", "-P", "-m", "parkade.cli", "executor", "--model", "m"], "executor"),
+        (["/venv/bin/python3", "/venv/bin/parkade", "up", "--model", "m"], "parkade up"),
+        (["/home/.calfkit/bin/tansu-v0.6.0-510f3e2", "broker", "--listener-url", "x"], "tansu"),
+        (
+            ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m"],
+            "vllm.entrypoints.openai.api_server",
+        ),
+        (["VLLM::EngineCore"], "VLLM::EngineCore"),
+    ],
+)
+def test_each_server_process_is_labelled_by_its_role(argv, label):
+    assert online.process_label(argv) == label
+
+
+def test_a_server_groups_cpu_counts_its_processes_and_no_other():
+    # A process in a session (and group) of its own that spends 0.3 s of CPU, then sleeps.
+    burn = (
+        "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\ntime.sleep(30)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", burn], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while sum((spent := online.group_cpu_s(proc.pid)).values()) < 0.3:
+            assert time.monotonic() < deadline, spent
+            time.sleep(0.05)
+        assert list(spent) == [Path(sys.executable).name.split("-")[0]]
+        assert sum(spent.values()) < 5  # its group alone, not this test's process
+        assert online.group_cpu_s(2**22 + 1) == {}  # past pid_max's limit: no such group
+    finally:
+        proc.kill()
+        proc.wait()
