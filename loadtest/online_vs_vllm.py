@@ -10,12 +10,12 @@ a warm-up round, then the timed round of `bench_serve.py` (the anchors' wrapper 
 `vllm bench serve`): random prompts of `--input-len` tokens, `--output-len` tokens out, EOS ignored,
 all sent at once by default. Prints one JSON document: for each run (`runs`), each server's output
 tok/s, TTFT and TPOT (mean, median, p99), the TTFT's deciles, completed and failed requests, its
-start-up time (until `/health` says 200), the CPU seconds each of its processes and the client used
-during the timed round (`cpu_s`: on a small machine the server's processes and the client share the
-cores, so a pipeline's own CPU slows its model's steps), and Parkade over vLLM; over the runs,
-`parkade_over_vllm` (each ratio's median) and `runs_meeting_goal`: the runs where every request of
-both servers completed, Parkade's throughput was at least vLLM's and both its mean TTFT and mean
-TPOT no worse (the online goal of the project's issue 26).
+start-up time (until `/health` says 200), the CPU seconds each of its processes and the client (with
+its start-up) used during the timed round (`cpu_s`: on a small machine the server's processes and
+the client share the cores, so a pipeline's own CPU slows its model's steps), and Parkade over vLLM;
+over the runs, `parkade_over_vllm` (each ratio's median) and `runs_meeting_goal`: the runs where
+every request of both servers completed, Parkade's throughput was at least vLLM's and both its mean
+TTFT and mean TPOT no worse (the online goal of the project's issue 26).
 
 `--repeat N` runs the pair N times, each server started fresh, vLLM first in even runs and Parkade
 first in odd ones: a VM's speed drifts by more than the difference between the two, so one pair
@@ -104,9 +104,9 @@ def serve_and_bench(args: argparse.Namespace, name: str, command: list[str], env
         # only once they can serve.
         ready_s = wait_ready(f"http://127.0.0.1:{port}/health", proc, args.ready_timeout)
         bench(args, port, tmp, f"{name}-warmup", min(16, args.num_prompts))
-        before, client_before = group_cpu_s(proc.pid), children_cpu_s()
+        before, client_before = tree_cpu_s(proc.pid), children_cpu_s()
         result = bench(args, port, tmp, name, args.num_prompts)
-        after, client_after = group_cpu_s(proc.pid), children_cpu_s()
+        after, client_after = tree_cpu_s(proc.pid), children_cpu_s()
     finally:
         stop(proc)
         log.close()
@@ -121,11 +121,12 @@ def serve_and_bench(args: argparse.Namespace, name: str, command: list[str], env
     }
 
 
-def group_cpu_s(pgid: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of each live process in group `pgid` (a server started
-    with start_new_session), summed by label: a Parkade service's name, else the program's."""
+def tree_cpu_s(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of process `root` and its live descendants (`parkade up`
+    starts each service in a session of its own, so a process group would miss them), summed by
+    label (process_label)."""
     ticks = os.sysconf("SC_CLK_TCK")
-    totals: dict[str, float] = {}
+    processes: dict[int, tuple[int, float, list[str]]] = {}  # pid -> (parent, CPU seconds, argv)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -134,12 +135,22 @@ def group_cpu_s(pgid: int) -> dict[str, float]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:  # gone meanwhile
             continue
-        # Fields after the parenthesised name (which may hold spaces): state is 0, pgrp 2, utime 11.
+        # The fields after the parenthesised name (which may hold spaces): ppid is the 2nd,
+        # utime and stime the 12th and 13th.
         fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) != pgid:
-            continue
-        label = process_label([arg.decode(errors="replace") for arg in argv if arg])
-        totals[label] = totals.get(label, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+        cpu = (int(fields[11]) + int(fields[12])) / ticks
+        processes[int(entry.name)] = (int(fields[1]), cpu, [a.decode(errors="replace") for a in argv if a])
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _, _) in processes.items():
+        children.setdefault(parent, []).append(pid)
+    totals: dict[str, float] = {}
+    todo = [root] if root in processes else []
+    while todo:
+        pid = todo.pop()
+        _, cpu, argv = processes[pid]
+        label = process_label(argv)
+        totals[label] = totals.get(label, 0.0) + cpu
+        todo.extend(children.get(pid, []))
     return totals
 
 
