@@ -1,7 +1,7 @@
 /* Paged attention on AMX tiles (Intel Sapphire Rapids and later: `amx_tile`, `amx_bf16`), for a
  * bf16 cache with head_dim 64 or 128, block_size a multiple of 16 and no sliding window.
  * Included by paged_attention.c (its Problem, slot_of, load_q_bf16, store_out, exp512_nonpositive,
- * touch_tile, pair_index).
+ * touch_tile).
  *
  * Why: on the AMX machines measured (2 vCPU Xeon, 2026-12-05), VDPBF16PS retires one per two
  * cycles (16 bf16 products a cycle, against four times that on a Zen 5), so the AVX512-BF16 paths
@@ -20,8 +20,9 @@
  *      P.V (as FlashAttention rounds P; the run_block_dpbf16 path does the same), transposed to
  *      P [column][key]; the sum stays fp32 and unrounded.
  *   3. O = P V, 32 keys at a time: A = P (for a KV head's own columns; others' rows zero), B = the
- *      head's V rows with consecutive keys interleaved as bf16 pairs (VNNI), 16 head dims per tile,
- *      accumulated in four tiles (64 dims) across all keys; out[j] = O[j] / l[j].
+ *      head's V rows with consecutive keys interleaved as bf16 pairs (VNNI), 16 head dims per tile
+ *      in the order the interleave leaves them (dims_in_order restores it), accumulated in four
+ *      tiles (64 dims) across all keys; out[j] = O[j] / l[j].
  * Keys a column does not see weigh 0; pool rows past the last key (read by a last 16-key tile of
  * K, never past its block) score -inf before the softmax, and their V is never read (zero pairs).
  */
@@ -110,6 +111,25 @@ static inline void transpose16(__m512 r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
+/* Pass 3's V pairs come from unpacklo/unpackhi, which pair within 128-bit lanes: of a group of 32
+ * dims, the "lo" tile holds dims 8L .. 8L + 3 of each lane L (in its columns 4L .. 4L + 3) and the
+ * "hi" tile dims 8L + 4 .. 8L + 7. So O's row comes out as [lo 16 | hi 16] per 32 dims; this puts
+ * a row of D fp32 (a multiple of 32) back in dim order, in place. */
+static inline void dims_in_order(float *row, int D) {
+    int32_t first[16], second[16]; /* per output dim: its column, 16+ for the hi tile's */
+    for (int e = 0; e < 16; e++) {
+        const int i = e & 7;
+        first[e] = (i < 4 ? 0 : 16) + 4 * (e >> 3) + (i & 3);
+        second[e] = (i < 4 ? 0 : 16) + 4 * (2 + (e >> 3)) + (i & 3);
+    }
+    const __m512i a = _mm512_loadu_si512(first), b = _mm512_loadu_si512(second);
+    for (int g = 0; g < D; g += 32) {
+        const __m512 lo = _mm512_loadu_ps(row + g), hi = _mm512_loadu_ps(row + g + 16);
+        _mm512_storeu_ps(row + g, _mm512_permutex2var_ps(lo, a, hi));
+        _mm512_storeu_ps(row + g + 16, _mm512_permutex2var_ps(lo, b, hi));
+    }
+}
+
 /* The three passes above for head_dim D; returns 0 (and writes nothing) when scratch is short. */
 static inline __attribute__((always_inline)) int amx_attend(const Problem *pr, const AmxColumns *cs, const int D, int touch) {
     const int chunks = D / 32; /* 32-element pieces of a head: one tile's K side */
@@ -171,8 +191,6 @@ static inline __attribute__((always_inline)) int amx_attend(const Problem *pr, c
         m = _mm512_mask_max_ps(m, valid, m, _mm512_mul_ps(_mm512_load_ps(S + 16 * k), scale));
     }
 
-    /* (x[i], y[i]) and (x[16 + i], y[16 + i]) of two V rows x, y as bf16 pairs. */
-    const __m512i pair_lo = pair_index(0, 32), pair_hi = pair_index(16, 48);
     if (cs->nheads > 1) memset(stage, 0, tile * (size_t)cs->nheads);
 
     for (int d0 = 0; d0 < D; d0 += 64) { /* D is 64 or 128: whole groups of 64 dims */
@@ -208,8 +226,11 @@ static inline __attribute__((always_inline)) int amx_attend(const Problem *pr, c
                         const char *va = v_base + row_a + (int64_t)h * D * 2 + (int64_t)(d0 + 32 * c) * 2;
                         const __m512i x = a < max_len ? _mm512_loadu_si512(va) : _mm512_setzero_si512();
                         const __m512i y = b < max_len ? _mm512_loadu_si512(va + row_bytes) : _mm512_setzero_si512();
-                        _mm512_store_si512(vh + 256 * (2 * c) + 16 * r, _mm512_permutex2var_epi16(x, pair_lo, y));
-                        _mm512_store_si512(vh + 256 * (2 * c + 1) + 16 * r, _mm512_permutex2var_epi16(x, pair_hi, y));
+                        /* (x[i], y[i]) as bf16 pairs, within each 128-bit lane (one cycle each, where
+                         * a permute across lanes takes three): the tiles' dims in lane order (see
+                         * dims_in_order) */
+                        _mm512_store_si512(vh + 256 * (2 * c) + 16 * r, _mm512_unpacklo_epi16(x, y));
+                        _mm512_store_si512(vh + 256 * (2 * c + 1) + 16 * r, _mm512_unpackhi_epi16(x, y));
                     }
                 }
                 const char *a_tile = (const char *)P;
@@ -237,7 +258,10 @@ static inline __attribute__((always_inline)) int amx_attend(const Problem *pr, c
     }
     float inv[16] __attribute__((aligned(64)));
     _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
-    for (int j = 0; j < cs->n; j++) store_out(pr, cs->offset[j], obuf + (int64_t)j * D, inv[j], D);
+    for (int j = 0; j < cs->n; j++) {
+        dims_in_order(obuf + (int64_t)j * D, D);
+        store_out(pr, cs->offset[j], obuf + (int64_t)j * D, inv[j], D);
+    }
     return 1;
 }
 
