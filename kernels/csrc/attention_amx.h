@@ -116,12 +116,9 @@ static inline void transpose16(__m512 r[16]) {
  * "hi" tile dims 8L + 4 .. 8L + 7. So O's row comes out as [lo 16 | hi 16] per 32 dims; this puts
  * a row of D fp32 (a multiple of 32) back in dim order, in place. */
 static inline void dims_in_order(float *row, int D) {
-    int32_t first[16], second[16]; /* per output dim: its column, 16+ for the hi tile's */
-    for (int e = 0; e < 16; e++) {
-        const int i = e & 7;
-        first[e] = (i < 4 ? 0 : 16) + 4 * (e >> 3) + (i & 3);
-        second[e] = (i < 4 ? 0 : 16) + 4 * (2 + (e >> 3)) + (i & 3);
-    }
+    /* Per output dim of the first and second 16: its column in [lo | hi] (16+: the hi tile's). */
+    static const int32_t first[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+    static const int32_t second[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
     const __m512i a = _mm512_loadu_si512(first), b = _mm512_loadu_si512(second);
     for (int g = 0; g < D; g += 32) {
         const __m512 lo = _mm512_loadu_ps(row + g), hi = _mm512_loadu_ps(row + g + 16);
