@@ -10,7 +10,8 @@ keeps it off the tiles), built on first use with the system C compiler
 (`-O3 -march=native -fopenmp`, about a second; $PARKADE_CPU_MARCH picks another -march) into
 `$PARKADE_HOME/kernels/`, keyed by source, flags, compiler and CPU, and called through ctypes,
 which releases the GIL. The same library holds
-`csrc/race.c`, the sampler's exponential race (`kernels/race.py`): one build, one load.
+`csrc/race.c`, the sampler's exponential race (`kernels/race.py`), and `csrc/linear_amx.c`, the
+AMX linear layers (`kernels/linear_cpu.py`): one build, one load.
 
 Threads: the kernel splits its work items (query row, KV heads) by cost over an OpenMP team of
 `torch.get_num_threads()`. It links the libgomp that torch itself loaded (same soname: the loader
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 RACE_SOURCE = SOURCE.with_name("race.c")  # compiled into the same library
+LINEAR_SOURCE = SOURCE.with_name("linear_amx.c")  # and this (kernels/linear_cpu.py)
 HEADERS = ("attention_amx.h",)  # included by SOURCE, beside it: part of the build's key
 # -fassociative-math (with the two flags it needs) lets the compiler vectorize the dot products'
 # reductions; no -ffinite-math-only: the online softmax starts from -inf.
@@ -104,7 +106,7 @@ def _cache_dir() -> Path:
 
 def _build_library(compiler: str, version: str, flags: tuple[str, ...]) -> Path:
     """Compile the kernels with `flags` unless a build of these sources, flags, compiler and CPU exists."""
-    sources = (SOURCE, RACE_SOURCE)
+    sources = (SOURCE, RACE_SOURCE, LINEAR_SOURCE)
     headers = [h for h in (SOURCE.with_name(name) for name in HEADERS) if h.exists()]
     texts = [s.read_text() for s in (*sources, *headers)]
     key = "\0".join([*texts, *flags, compiler, version, _cpu_identity()])
@@ -184,6 +186,10 @@ def library() -> ctypes.CDLL:
     lib.parkade_race.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i32]
     lib.parkade_race_log.restype = None
     lib.parkade_race_log.argtypes = [ptr, ptr, i64]
+    lib.parkade_linear_amx_available.restype = ctypes.c_int
+    lib.parkade_linear_amx_available.argtypes = []
+    lib.parkade_linear_amx.restype = ctypes.c_int
+    lib.parkade_linear_amx.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32]
     return lib
 
 

@@ -56,6 +56,8 @@ def _gemm_path(executor: Executor, isa: list[str]) -> str:
         return f"fp32 (the {str(dtype).removeprefix('torch.')} weights upcast: no native matmul here)"
     if dtype == torch.float32:
         return "fp32"
+    if executor.packed_linears:
+        return f"{str(dtype).removeprefix('torch.')} on AMX tiles (linear_amx, weights packed at load)"
     unit = "AMX" if "amx_bf16" in isa else "AVX512-BF16" if "avx512_bf16" in isa else "no native unit"
     return f"{str(dtype).removeprefix('torch.')} on oneDNN ({unit})"
 
@@ -75,7 +77,8 @@ def executor_paths(executor: Executor) -> dict[str, Any]:
         "malloc": cpu_malloc.state,
     }
     if executor.compiled is not None:
-        paths["gemm_weights"] = "prepacked at compile (inductor freezing)"
+        if not executor.packed_linears:
+            paths["gemm_weights"] = "prepacked at compile (inductor freezing)"
         seconds = executor.compiled.compile_s
         paths["compile_s"] = None if seconds is None else round(seconds, 1)
     if backend == "attention_cpu":

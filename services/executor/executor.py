@@ -13,6 +13,7 @@ from collections.abc import Callable
 import msgspec
 import torch
 
+from parkade.kernels import linear_cpu
 from parkade.kernels.backends import AttentionBackend, get_attention_backend
 from parkade.schemas import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from parkade.services.common.model_config import ModelConfig
@@ -70,6 +71,13 @@ class Executor:
         )
         if self.fp32_matmuls:
             self.model.use_fp32_matmuls()
+        # A CPU with AMX computes bf16 matmuls with Parkade's kernel on weights packed now
+        # (kernels/linear_cpu.py): a decode step reads them at DRAM rate, where oneDNN's did not.
+        self.packed_linears = (
+            device.type == "cpu" and not self.fp32_matmuls and linear_cpu.serves(model_config.dtype)
+        )
+        if self.packed_linears:
+            self.model.use_packed_linears()
         kv_dtype = model_config.dtype
         if callable(kv_cache_memory_bytes):  # a budget that counts what the weights took
             kv_cache_memory_bytes = kv_cache_memory_bytes()

@@ -106,6 +106,35 @@ class Linear(nn.Linear):
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
 
+class PackedLinear(nn.Module):
+    """Linears of one input, concatenated along their outputs and packed once for the CPU's AMX
+    kernel (`kernels/linear_cpu.py`): one call of the op `parkade::linear_amx` computes them all.
+    `splits` are the parts' output sizes, in order. See `DecoderLM.use_packed_linears`."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        from parkade.kernels import linear_cpu  # registers the op
+
+        super().__init__()
+        weight = torch.cat([w for w, _ in parts])
+        self.packed = nn.Parameter(linear_cpu.pack_weight(weight), requires_grad=False)
+        # Kept for steps of many rows, which oneDNN serves as fast (linear_cpu.MAX_ROWS); the
+        # compiled forward kept oneDNN's own packed copy of every weight beside the module's anyway.
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None
+        if any(b is not None for _, b in parts):
+            biases = [torch.zeros(w.shape[0], dtype=w.dtype) if b is None else b for w, b in parts]
+            self.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
+        self.out_features = weight.shape[0]
+        self.splits = [w.shape[0] for w, _ in parts]
+
+    @classmethod
+    def of(cls, *linears: nn.Linear) -> PackedLinear:
+        return cls([(linear.weight, linear.bias) for linear in linears])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.parkade.linear_amx(x, self.packed, self.weight, self.bias, self.out_features)
+
+
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. x [num_tokens, heads, head_dim]; cos/sin [num_tokens, 1, head_dim]."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -123,6 +152,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(hidden, self.num_kv_heads * d, bias=config.qkv_bias, dtype=dtype)
         self.v_proj = Linear(hidden, self.num_kv_heads * d, bias=config.qkv_bias, dtype=dtype)
         self.o_proj = Linear(self.num_heads * d, hidden, bias=config.o_proj_bias, dtype=dtype)
+        self.qkv_proj: PackedLinear | None = None  # q/k/v in one, replacing them (use_packed_linears)
         self.scale = d**-0.5
         self.sliding_window = config.layer_sliding_window(layer)
         self.backend = backend  # a plain attribute: swapped by DecoderLM.set_attention_backend
@@ -134,9 +164,13 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = _apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = _apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_proj.splits, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = _apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = _apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         if self.as_op:
             out = torch.ops.parkade.paged_attention(
@@ -168,9 +202,14 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, inter, bias=bias, dtype=dtype)
         self.up_proj = Linear(hidden, inter, bias=bias, dtype=dtype)
         self.down_proj = Linear(inter, hidden, bias=bias, dtype=dtype)
+        self.gate_up_proj: PackedLinear | None = None  # gate and up in one (use_packed_linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.gate_up_proj.splits, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -214,6 +253,7 @@ class DecoderLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(config)
         self.logits_weight: torch.Tensor | None = None  # an fp32 copy of a tied head, when upcast
+        self.packed_head: PackedLinear | None = None  # the head (tied or not), packed (use_packed_linears)
 
     def use_fp32_matmuls(self) -> None:
         """Keep every matmul weight in fp32 (see `Linear`); norms, RoPE and the KV cache keep the dtype."""
@@ -222,6 +262,23 @@ class DecoderLM(nn.Module):
                 module.float()
         if self.lm_head is None:
             self.logits_weight = self.model.embed_tokens.weight.float()
+
+    def use_packed_linears(self) -> None:
+        """Compute every matmul with the CPU's AMX kernel (`kernels/linear_cpu.py`, bf16 weights),
+        on weights packed now: q/k/v in one, gate/up in one, o, down and the head. Each keeps its
+        (concatenated) weight too, for steps of many rows; the modules they replace become None.
+        A tied head keeps the embedding and adds its copies."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj = PackedLinear.of(attn.q_proj, attn.k_proj, attn.v_proj)
+            attn.o_proj = PackedLinear.of(attn.o_proj)
+            attn.q_proj = attn.k_proj = attn.v_proj = None
+            mlp.gate_up_proj = PackedLinear.of(mlp.gate_proj, mlp.up_proj)
+            mlp.down_proj = PackedLinear.of(mlp.down_proj)
+            mlp.gate_proj = mlp.up_proj = None
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_head = PackedLinear([(head, None)])
+        self.lm_head = None
 
     def set_attention_backend(self, backend: AttentionKernels) -> None:
         """Route every layer's attention through `backend` (e.g. a Triton one)."""
@@ -258,6 +315,8 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
+        if self.packed_head is not None:  # bf16 out, as the product below rounds it
+            return self.packed_head(hidden).float()
         if self.lm_head is not None:
             weight = self.lm_head.weight
         else:

@@ -16,7 +16,7 @@ from tiny_models import EOS_TOKEN_IDS, make_tiny_model
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from parkade.kernels import attention_cpu, attention_torch
+from parkade.kernels import attention_cpu, attention_torch, linear_cpu
 from parkade.kernels.metadata import AttentionMetadata
 from parkade.models import DEFAULT_MODEL as STORIES
 from parkade.services.common.model_config import ModelConfig
@@ -219,6 +219,32 @@ def test_fp32_matmuls_compute_what_bf16_matmuls_do(tmp_path):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@pytest.mark.skipif(
+    not linear_cpu.serves(torch.bfloat16), reason="the AMX linear kernel serves only on a CPU with AMX tiles"
+)
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("qwen2", {})],  # qwen2: q/k/v biases
+    ids=["llama", "llama-tied", "qwen2-bias"],
+)
+def test_a_model_on_packed_linears_computes_the_same_logits(tmp_path, family, overrides):
+    """Prefill then decode of a bf16 model: the packed model's logits equal the unpacked one's, bit
+    for bit (q/k/v and gate/up concatenated change no output column), and the modules they replace
+    are gone."""
+    path = make_tiny_model(tmp_path, family, **overrides)
+    config = ModelConfig.from_pretrained(path, dtype="bfloat16")
+    plain, packed = load_model(config, "cpu"), load_model(config, "cpu")
+    packed.use_packed_linears()
+    attn = packed.model.layers[0].self_attn
+    assert attn.q_proj is None and attn.qkv_proj is not None and packed.lm_head is None
+    assert packed.model.layers[0].mlp.gate_up_proj.splits == [config.intermediate_size] * 2
+    runners = PagedRunner(plain), PagedRunner(packed)
+    blocks, tokens = scattered_blocks(5), list(range(5, 19))
+    for first, chunk in ((0, tokens[:12]), (12, tokens[12:13]), (13, tokens[13:])):
+        a, b = (r.step([(blocks, first, chunk)]) for r in runners)
+        assert torch.equal(a, b)
+
+
 def test_the_executor_upcasts_only_where_the_cpu_lacks_bf16_matmuls_and_only_when_asked(tmp_path):
     from parkade.services.executor.build import build_executor
     from parkade.services.executor.executor import cpu_has_native_matmul
@@ -230,7 +256,9 @@ def test_the_executor_upcasts_only_where_the_cpu_lacks_bf16_matmuls_and_only_whe
         executor, _ = build_executor(options)
         expected = upcast and not cpu_has_native_matmul(torch.bfloat16)
         assert executor.fp32_matmuls is expected
-        weight = executor.model.model.layers[0].mlp.up_proj.weight
+        assert executor.packed_linears is (not expected and linear_cpu.serves(torch.bfloat16))
+        mlp = executor.model.model.layers[0].mlp
+        weight = (mlp.gate_up_proj if executor.packed_linears else mlp.up_proj).weight
         assert weight.dtype == (torch.float32 if expected else torch.bfloat16)
 
 
