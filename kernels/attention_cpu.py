@@ -4,7 +4,7 @@
 padding: no gathered fp32 copy of the cache (which the torch path pays for every layer) and no
 mask. A prefill chunk's row at position p is attended like a decode over keys 0..p (on a bf16
 model with AVX512-BF16, a chunk's rows go in blocks that read each key once for up to 16 query
-vectors: `_attend_units`). It runs on the matrix and vector units the CPU has (AMX tiles,
+vectors: `_units_plan`). It runs on the matrix and vector units the CPU has (AMX tiles,
 AVX-512 with VDPBF16PS dot products, AVX-512, AVX2: `features()` says which; $PARKADE_CPU_AMX=0
 keeps it off the tiles), built on first use with the system C compiler
 (`-O3 -march=native -fopenmp`, about a second; $PARKADE_CPU_MARCH picks another -march) into
@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
@@ -45,6 +46,9 @@ import torch
 
 from parkade.kernels import attention_torch
 from parkade.kernels.metadata import host_lengths
+
+# The op (attention_op.py) leaves the host lengths to this module, which reads them once a step.
+READS_LENGTHS_ONCE_PER_STEP = True
 
 __all__ = [
     "available", "build", "decode_attention", "features", "library", "paged_attention_varlen", "set_amx",
@@ -324,6 +328,19 @@ def _attend_rows(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """The kernel over every query row; -> [num_rows, num_q_heads, head_dim] in q's dtype."""
+    return _rows_plan(q, k_cache, block_table, row_lens, row_seq, sliding_window)(q, k_cache, v_cache, scale)
+
+
+# A step's plan: what its lengths decide for the kernel, the same in every layer (_step_plan).
+# Called with one layer's (q, k_cache, v_cache, softmax_scale) -> its attention output.
+Plan = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _rows_plan(
+    q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, row_lens: np.ndarray,
+    row_seq: np.ndarray | None, sliding_window: int | None,
+) -> Plan:  # fmt: skip
+    """`_attend_rows` up to the call: items, their costs, the split (q and k_cache for shapes)."""
     num_rows, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -332,37 +349,46 @@ def _attend_rows(
     # A bf16 model's q goes in and its output comes out as bf16: no fp32 copies around the call
     # (a build from before io_bf16, which cpu_attention_bench may load, takes fp32 only).
     io_bf16 = q.dtype == torch.bfloat16 and _io_bf16()
-    qf = q.contiguous() if io_bf16 else q.to(torch.float32).contiguous()
     table = block_table.to(torch.int32).contiguous()
     lens = np.ascontiguousarray(row_lens, dtype=np.int32)
     seqs = None if row_seq is None else np.ascontiguousarray(row_seq, dtype=np.int32)
-    out = torch.empty(qf.shape, dtype=qf.dtype)
     fn = library().paged_attention_rows
-
-    def run(begin: int, end: int, num_threads: int = 1) -> None:
-        rc = fn(
-            qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
-            table.data_ptr(), table.stride(0), lens.ctypes.data, None if seqs is None else seqs.ctypes.data,
-            out.data_ptr(), num_q_heads, num_kv_heads, head_dim, block_size, scale, sliding_window or 0,
-            heads_per_item, begin, end, num_threads, io_bf16,
-        )  # fmt: skip
-        if rc:  # the checks above make this unreachable; never run with unchecked buffers
-            raise RuntimeError("paged_attention_rows rejected its shapes")
-
     items_per_row = num_kv_heads // heads_per_item
     num_items = num_rows * items_per_row
     # Keys each item reads: what the split between threads balances.
     visible = lens.astype(np.int64) if not sliding_window else np.minimum(lens, sliding_window)
     costs = np.repeat(visible * heads_per_item, items_per_row)
     if threads <= 1 or costs.sum() < MIN_PARALLEL_WORK:
-        run(0, num_items)
+        parts = [(0, num_items, 1)]
     elif shared_openmp():
-        run(0, num_items, threads)  # the kernel splits by cost over torch's own OpenMP threads
+        parts = [(0, num_items, threads)]  # the kernel splits by cost over torch's own OpenMP threads
     else:
-        pool = _thread_pool(threads)
-        for future in [pool.submit(run, a, b) for a, b in _split_by_cost(costs, threads)]:
-            future.result()
-    return out if out.dtype == q.dtype else out.to(q.dtype)
+        parts = [(a, b, 1) for a, b in _split_by_cost(costs, threads)]  # over Python threads
+
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        qf = q.contiguous() if io_bf16 else q.to(torch.float32).contiguous()
+        out = torch.empty(qf.shape, dtype=qf.dtype)
+        seqs_ptr = None if seqs is None else seqs.ctypes.data  # NOTE: read here, so that seqs lives on
+
+        def run(begin: int, end: int, num_threads: int) -> None:
+            rc = fn(
+                qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+                table.data_ptr(), table.stride(0), lens.ctypes.data, seqs_ptr, out.data_ptr(), num_q_heads,
+                num_kv_heads, head_dim, block_size, scale, sliding_window or 0, heads_per_item, begin, end,
+                num_threads, io_bf16,
+            )  # fmt: skip
+            if rc:  # the checks above make this unreachable; never run with unchecked buffers
+                raise RuntimeError("paged_attention_rows rejected its shapes")
+
+        if len(parts) == 1:
+            run(*parts[0])
+        else:
+            pool = _thread_pool(threads)
+            for future in [pool.submit(run, *part) for part in parts]:
+                future.result()
+        return out if out.dtype == q.dtype else out.to(q.dtype)
+
+    return attend
 
 
 def _blocks_handle(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None) -> bool:
@@ -397,16 +423,14 @@ def _blocks_built() -> bool:
 BLOCK_SPEEDUP = 2.5
 
 
-def _attend_units(
-    q: torch.Tensor,  # [num_rows, num_q_heads, head_dim] bf16
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+def _units_plan(
+    q: torch.Tensor,  # [num_rows, num_q_heads, head_dim] bf16 (for its shape)
+    k_cache: torch.Tensor,  # (for its shape)
     block_table: torch.Tensor,
     q_lens: np.ndarray,  # [num_seqs] query rows per request
     row_lens: np.ndarray,  # [num_rows] keys each row sees
     row_seq: np.ndarray,  # [num_rows] each row's request
-    scale: float,
-) -> torch.Tensor:
+) -> Plan:
     """Prefill chunks in blocks of rows against each KV head (all the query vectors of a KV head
     in one register: `run_block_dpbf16`; the columns of one tile where AMX is in use:
     `amx_block`), decode rows on the row path, in one call."""
@@ -446,18 +470,24 @@ def _attend_units(
     lens, seqs, *as_i32 = [
         np.ascontiguousarray(a, dtype=np.int32) for a in (row_lens, row_seq, unit_row, unit_rows, unit_head)
     ]
-    qc, table = q.contiguous(), block_table.to(torch.int32).contiguous()
-    out = torch.empty(qc.shape, dtype=qc.dtype)
+    table = block_table.to(torch.int32).contiguous()
     threads = torch.get_num_threads() if unit_cost.sum() >= MIN_PARALLEL_WORK else 1
-    rc = library().paged_attention_units(
-        qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype], table.data_ptr(),
-        table.stride(0), lens.ctypes.data, seqs.ctypes.data, out.data_ptr(), num_q_heads, num_kv_heads,
-        head_dim, block_size, scale, heads_per_item, *(a.ctypes.data for a in as_i32), unit_cost.ctypes.data,
-        len(unit_cost), threads, 1,
-    )  # fmt: skip
-    if rc:  # _blocks_handle and the shapes above make this unreachable
-        raise RuntimeError("paged_attention_units rejected its shapes")
-    return out
+    fn = library().paged_attention_units
+
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        qc = q.contiguous()
+        out = torch.empty(qc.shape, dtype=qc.dtype)
+        rc = fn(
+            qc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+            table.data_ptr(), table.stride(0), lens.ctypes.data, seqs.ctypes.data, out.data_ptr(),
+            num_q_heads, num_kv_heads, head_dim, block_size, scale, heads_per_item,
+            *(a.ctypes.data for a in as_i32), unit_cost.ctypes.data, len(unit_cost), threads, 1,
+        )  # fmt: skip
+        if rc:  # _blocks_handle and the shapes above make this unreachable
+            raise RuntimeError("paged_attention_units rejected its shapes")
+        return out
+
+    return attend
 
 
 def _heads_per_item(num_rows: int, num_kv_heads: int, head_dim: int, group: int, threads: int) -> int:
@@ -515,17 +545,58 @@ def paged_attention_varlen(
             max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, block_table=block_table,
             sliding_window=sliding_window, query_lens=query_lens, seq_lens=seq_lens,
         )  # fmt: skip
-    query_lens, seq_lens = host_lengths(cu_seqlens_q, seqused_k, query_lens, seq_lens)
+    plan = _step_plan(q, k_cache, cu_seqlens_q, seqused_k, block_table, sliding_window, query_lens, seq_lens)
+    return plan(q, k_cache, v_cache, softmax_scale)
+
+
+# (key, copies of the step's length and table tensors, plan): the last step's plan (_step_plan).
+_last_plan: tuple[tuple, tuple[torch.Tensor, ...], Plan] | None = None
+
+
+def _step_plan(
+    q: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+    block_table: torch.Tensor, sliding_window: int | None, query_lens: tuple[int, ...],
+    seq_lens: tuple[int, ...],
+) -> Plan:  # fmt: skip
+    """The plan for this step's lengths: the last one when the tensors hold the same values and the
+    shapes agree (every layer of a step after the first: reading the lengths and planning the
+    items cost about 130 us a layer, measured for a decode of 64), else a new one.
+
+    NOTE: compared by value against copies, never by identity: a caller may refill the same
+    tensors in place for the next step, or free them for new ones at the same address. The plan
+    keeps its own copy of the block table for the same reason."""
+    global _last_plan
+    key = (
+        q.shape, q.dtype, k_cache.shape[1:], k_cache.dtype, sliding_window, torch.get_num_threads(),
+        query_lens, seq_lens,
+    )  # fmt: skip
+    tensors = (cu_seqlens_q, seqused_k, block_table)
+    last = _last_plan
+    if (
+        last is not None
+        and last[0] == key
+        and all(
+            a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+            for a, b in zip(last[1], tensors, strict=True)
+        )
+    ):
+        return last[2]
+    copies = tuple(t.clone() for t in tensors)
+    query_lens, seq_lens = host_lengths(copies[0], copies[1], query_lens, seq_lens)
     q_lens, s_lens = np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
     if q.shape[0] != q_lens.sum():
         raise ValueError(f"q has {q.shape[0]} rows but the query lengths add up to {int(q_lens.sum())}")
+    table = copies[2]
     if len(q_lens) == q.shape[0]:  # a pure decode step: rows and requests line up
-        row_lens, row_seq = s_lens, None
+        plan = _rows_plan(q, k_cache, table, s_lens, None, sliding_window)
     else:
         # Row r of request b sits at position s_b - q_b + r and sees that many keys plus itself.
         row_seq = np.repeat(np.arange(len(q_lens)), q_lens)
         starts = np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
         row_lens = np.repeat(s_lens - q_lens, q_lens) + (np.arange(q.shape[0]) - starts) + 1
         if _blocks_handle(q, k_cache, sliding_window):
-            return _attend_units(q, k_cache, v_cache, block_table, q_lens, row_lens, row_seq, softmax_scale)
-    return _attend_rows(q, k_cache, v_cache, block_table, row_lens, row_seq, softmax_scale, sliding_window)
+            plan = _units_plan(q, k_cache, table, q_lens, row_lens, row_seq)
+        else:
+            plan = _rows_plan(q, k_cache, table, row_lens, row_seq, sliding_window)
+    _last_plan = (key, copies, plan)
+    return plan

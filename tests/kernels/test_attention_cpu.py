@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_attention_torch import dense_reference, make_case, run_paged
+from test_attention_torch import TOLERANCE, dense_reference, make_case, run_paged
 
 from parkade.kernels import attention_cpu, attention_torch
 from parkade.kernels.backends import AttentionBackend, get_attention_backend
@@ -323,3 +323,34 @@ def test_the_pool_write_is_the_torch_paths_and_never_writes_past_the_pool(dtype)
     wide = torch.randn(3, 2, 64, generator=gen, dtype=torch.float64)
     attention_cpu.write_kv_cache(wide, wide, pools[0], pools[1], torch.tensor([0, 1, 2]))
     assert torch.equal(pools[0].view(-1, 2, 64)[:3], wide.to(dtype))
+
+
+def test_a_steps_plan_serves_its_layers_and_never_a_step_of_other_lengths():
+    """`_step_plan` reuses the last plan while the lengths and the block table hold the same
+    values (the other layers of a step), and makes a new one when they differ, also when the
+    caller refilled the same tensors in place, or the table it was planned with changed later."""
+    kw = dict(block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    first = make_case([40, 70, 9], [1, 1, 1], **kw)
+    scale = 64**-0.5
+    cu = torch.arange(4, dtype=torch.int32)
+    lens = torch.tensor(first.seq_lens, dtype=torch.int32)
+    table = first.block_table.clone()
+
+    def attend(case):
+        return attention_cpu.paged_attention_varlen(
+            case.q, case.k_cache, case.v_cache, cu_seqlens_q=cu, max_seqlen_q=0, seqused_k=lens,
+            max_seqlen_k=0, softmax_scale=scale, block_table=table,
+        )  # fmt: skip
+
+    out = attend(first)
+    plan = attention_cpu._last_plan
+    assert torch.equal(attend(first), out) and attention_cpu._last_plan is plan  # the next layer
+    tol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out.double(), dense_reference(first, scale, None), atol=tol, rtol=tol)
+    # The next step refills the same tensors in place: other lengths and other blocks.
+    second = make_case([33, 5, 90], [1, 1, 1], seed=1, **kw)
+    lens.copy_(torch.tensor(second.seq_lens, dtype=torch.int32))
+    table.resize_(second.block_table.shape).copy_(second.block_table)
+    got = attend(second)
+    assert attention_cpu._last_plan is not plan
+    torch.testing.assert_close(got.double(), dense_reference(second, scale, None), atol=tol, rtol=tol)
