@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 INDUCTOR_OPTIONS = {
     "freezing": True,  # weights as constants: prepacked oneDNN matmuls, folded casts
     "cpp.enable_concat_linear": True,  # q/k/v and gate/up: one matmul each
+    # The step's calls (kernels, extern ops) from a generated C++ wrapper rather than Python:
+    # small-llama's offline round 4% faster (9.54 s against 9.93, alternated in one process,
+    # 2026-12-06); compiling took 33 s instead of 29 with an empty cache, the same with a warm one.
+    "cpp_wrapper": True,
     "size_asserts": False,
     "nan_asserts": False,
 }
