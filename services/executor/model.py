@@ -115,7 +115,7 @@ class PackedLinear(nn.Module):
         from parkade.kernels import linear_cpu  # registers the op
 
         super().__init__()
-        weight = torch.cat([w for w, _ in parts])
+        weight = parts[0][0] if len(parts) == 1 else torch.cat([w for w, _ in parts])  # (a tied head: shared)
         self.packed = nn.Parameter(linear_cpu.pack_weight(weight), requires_grad=False)
         # Kept for steps of many rows, which oneDNN serves as fast (linear_cpu.MAX_ROWS); the
         # compiled forward kept oneDNN's own packed copy of every weight beside the module's anyway.
