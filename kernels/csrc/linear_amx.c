@@ -4,10 +4,11 @@
  * through ctypes by parkade.kernels.linear_cpu, which packs each weight once, at start.
  *
  * Why: a decode step multiplies a few rows by every weight of the model, so it is bound by reading
- * the weights from DRAM. oneDNN's prepacked bf16 matmul (what inductor's freezing uses) read them
- * at 17-18 GB/s for 1-16 rows and took 14 ms for 64 rows over small-llama's 164 MB of weights;
- * this kernel streams them at 25 GB/s (about what two cores read) and took 11.4 ms for 64 rows
- * (2 vCPU Xeon, 2026-12-06; loadtest/linear_bench.py).
+ * the weights from DRAM. Over small-llama's 164 MB of weights on a 2 vCPU Xeon (2026-12-06),
+ * oneDNN's prepacked bf16 matmul (what inductor's freezing uses) took 9.0 ms for 1-16 rows
+ * (18 GB/s) and 14.1 ms for 64; this kernel 6.3-6.4 ms (25-26 GB/s, about what two cores read)
+ * and 11.4 ms. In a slower phase of the same machine (loadtest/linear_bench.py): 8.4 against 10.5
+ * ms for one row, 14.6 against 15.6 for 64, even at 128.
  *
  * Packed weight (kernels/linear_cpu.py pack_weight): N and K padded with zeros to multiples of 32;
  * panel p holds output columns [32p, 32p + 32) over all of K, contiguous, as K/32 steps of two
