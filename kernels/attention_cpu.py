@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 RACE_SOURCE = SOURCE.with_name("race.c")  # compiled into the same library
 LINEAR_SOURCE = SOURCE.with_name("linear_amx.c")  # and this (kernels/linear_cpu.py)
-HEADERS = ("attention_amx.h",)  # included by SOURCE, beside it: part of the build's key
+HEADERS = ("attention_amx.h", "amx_tiles.h")  # included by the sources, beside them: in the build's key
 # -fassociative-math (with the two flags it needs) lets the compiler vectorize the dot products'
 # reductions; no -ffinite-math-only: the online softmax starts from -inf.
 CFLAGS = (

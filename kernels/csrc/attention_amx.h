@@ -45,22 +45,8 @@ static int amx_permitted(void) {
     return s == 1;
 }
 
-/* Palette 1, all eight tiles 16 rows x 64 bytes. Tiles 0-3: O (64 head dims), 4: A, 5: B, 6: S^T.
- * Loaded per call of a kernel entry on each thread: oneDNN configures the same registers. */
-static inline void amx_configure(void) {
-    struct __attribute__((packed)) {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+/* amx_configure: tiles 0-3 hold O (64 head dims), 4: A, 5: B, 6: S^T. */
+#include "amx_tiles.h"
 
 typedef struct {
     int n;                            /* columns, <= 16 */

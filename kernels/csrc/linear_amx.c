@@ -48,15 +48,7 @@ typedef uint16_t bf16;
 int parkade_linear_amx_available(void) { return LINEAR_AMX && (parkade_attention_features() & 16); }
 
 #if LINEAR_AMX
-static inline void tiles_16x64(void) {
-    struct __attribute__((packed)) {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } c = {.palette = 1};
-    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
-}
+#include "amx_tiles.h" /* amx_configure: tiles 0-3 accumulate, 4-5 hold A, 6-7 hold B */
 
 /* Stage rows [16 * tile, 16 * tile + 16) of x as K/32 A tiles (zero past m and past k). */
 static void stage_rows(const bf16 *x, int64_t ldx, int64_t m, int64_t k, int64_t k_steps, int64_t tile,
@@ -186,7 +178,7 @@ int parkade_linear_amx(const bf16 *x, int64_t ldx, int64_t m, int64_t k, const b
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
-        tiles_16x64();
+        amx_configure();
         const int64_t first = panels * id / threads, last = panels * (id + 1) / threads;
         const int64_t chunk = MAX_ROWS_PER_PASS / 16;
         for (int64_t tile0 = 0; tile0 < row_tiles; tile0 += chunk) {
