@@ -57,13 +57,10 @@ def paged_attention(
 ) -> torch.Tensor:
     kernels = _backend(backend)
     kernels.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
-    if getattr(kernels, "READS_LENGTHS_ONCE_PER_STEP", False):  # no max lengths needed: none read here
-        return kernels.paged_attention_varlen(
-            q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=0, seqused_k=seqused_k,
-            max_seqlen_k=0, softmax_scale=softmax_scale, block_table=block_table,
-            sliding_window=sliding_window,
-        )  # fmt: skip
-    query_lens, seq_lens = host_lengths(cu_seqlens_q, seqused_k)
+    query_lens: tuple[int, ...] = ()
+    seq_lens: tuple[int, ...] = ()
+    if not getattr(kernels, "READS_LENGTHS_ONCE_PER_STEP", False):  # else: it reads them, once a step
+        query_lens, seq_lens = host_lengths(cu_seqlens_q, seqused_k)
     return kernels.paged_attention_varlen(
         q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max(query_lens, default=0),
         seqused_k=seqused_k, max_seqlen_k=max(seq_lens, default=0), softmax_scale=softmax_scale,
