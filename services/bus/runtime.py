@@ -28,6 +28,7 @@ from typing import Any
 from parkade.schemas import topics
 from parkade.schemas.routing import DEFAULT_REPLICA
 from parkade.schemas.topics import DEFAULT_PREFIX
+from parkade.services.bus import event_loop
 from parkade.services.bus.serve import Service, serve
 from parkade.services.common import logs, tracing
 from parkade.services.common.heap import freeze_startup_heap
@@ -242,6 +243,6 @@ def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> in
         log.info("stopped")
 
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
+        event_loop.run(main())
     sys.stdout.flush()
     return 0
