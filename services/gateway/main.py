@@ -36,7 +36,6 @@ import msgspec
 import uvicorn
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -53,6 +52,7 @@ from parkade.services.common.heap import freeze_startup_heap
 from parkade.services.gateway.handler import GatewayHandler, GatewayOptions, Opened
 from parkade.services.gateway.metrics import GatewayMetrics
 from parkade.services.gateway.protocol import GatewayError, joined, joins, pipeline_error
+from parkade.services.gateway.sse import EventStream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,13 +61,10 @@ FLAGS = dataclass_flags(GatewayOptions)
 # A service is alive while its heartbeats (one a second) keep coming.
 HEARTBEAT_STALE_S = 5.0
 SEND_TIMEOUT_S = 30.0
+PING_S = 15.0  # a quiet stream's keep-alive comment, for proxies
 # At a stop, open requests get this long to end; then their streams are cut (and aborted).
 GRACEFUL_STOP_S = 3.0
 BROKER_PROBE_S = 2.0
-# Each SSE line ends with "\n", so each event with "\n\n", as OpenAI's and vLLM's servers
-# frame them (sse-starlette's default is "\r\n"): clients that split events on a blank line
-# the simple way (`buf.split(b"\n\n")`) would otherwise miss where one event ends.
-SSE_SEP = "\n"
 
 
 class ClientGone(Exception):
@@ -405,7 +402,7 @@ class Gateway:
                 # send_timeout: a client that stops reading for that long is gone (its request
                 # is aborted) rather than holding its KV blocks until max_tokens.
                 stream = self._sse(opened, choices, first, arrival)
-                return EventSourceResponse(stream, ping=15, send_timeout=SEND_TIMEOUT_S, sep=SSE_SEP)
+                return EventStream(stream, ping_s=PING_S, send_timeout_s=SEND_TIMEOUT_S)
             for index, event in first:
                 opened.choices[index].add(event)  # first events are never errors here
             await unless_disconnected(request, self._rest(opened, choices, arrival))
