@@ -23,15 +23,13 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from parkade.services.bus import event_loop
-
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
 class LoopThread:
     def __init__(self, name: str) -> None:
-        self.loop = event_loop.new_event_loop()
+        self.loop = asyncio.new_event_loop()
         self._closing = False
         # A daemon: a process that ends without `close` (a crash) is not held by it.
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)

@@ -28,7 +28,6 @@ from typing import Any
 from parkade.schemas import topics
 from parkade.schemas.routing import DEFAULT_REPLICA
 from parkade.schemas.topics import DEFAULT_PREFIX
-from parkade.services.bus import event_loop
 from parkade.services.bus.serve import Service, serve
 from parkade.services.common import logs, tracing
 from parkade.services.common.heap import freeze_startup_heap
@@ -243,6 +242,6 @@ def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> in
         log.info("stopped")
 
     with contextlib.suppress(KeyboardInterrupt):
-        event_loop.run(main())
+        asyncio.run(main())
     sys.stdout.flush()
     return 0
