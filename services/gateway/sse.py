@@ -76,7 +76,8 @@ class EventStream(Response):
             with anyio.CancelScope(shield=True):
                 await self.payloads.aclose()  # type: ignore[attr-defined]
         if complete:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            with anyio.move_on_after(self.send_timeout_s):  # (a client that stopped reading)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _stream(self, send: Send) -> None:
         async for payload in self.payloads:
@@ -98,9 +99,15 @@ class EventStream(Response):
                     scope.cancel()
                     return
             elif now - self.last_sent >= self.ping_s:
-                # Only while no send is under way. A send writes its whole frame at once, so a
-                # ping and an event never interleave within a frame.
-                await self._send(send, b": ping\n\n")
+                # Only while no event's send is under way. A send writes its whole frame at once,
+                # so a ping and an event never interleave within a frame. A ping that blocks (a
+                # quiet client that stopped reading) is timed here: this task watches no other.
+                with anyio.move_on_after(self.send_timeout_s) as ping:
+                    await send({"type": "http.response.body", "body": b": ping\n\n", "more_body": True})
+                if ping.cancelled_caught:
+                    scope.cancel()
+                    return
+                self.last_sent = time.monotonic()
 
     async def _listen(self, receive: Receive, scope: anyio.CancelScope) -> None:
         """Ends the stream when the client disconnects (its requests are then aborted)."""

@@ -103,6 +103,24 @@ def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout():
     assert connection.body == b""
 
 
+def test_a_quiet_client_that_stops_reading_is_cut_off_at_a_ping():
+    """No event to send, and the keep-alive ping itself blocks: the stream still ends."""
+
+    async def main():
+        connection, source = Connection(), Source(["x"], then_wait=True)
+        stream = EventStream(source(), ping_s=0.1, send_timeout_s=0.3, tick_s=0.02)
+        task = asyncio.ensure_future(serve(stream, connection, timeout_s=3))
+        while b"data: x" not in connection.body:
+            await asyncio.sleep(0.01)
+        connection.stalled = True  # from now on every body send blocks
+        await task
+        return connection, source
+
+    connection, source = asyncio.run(main())
+    assert source.cleaned
+    assert connection.body == b"data: x\n\n"
+
+
 def test_a_quiet_stream_sends_keep_alive_comments():
     async def main():
         connection, source = Connection(), Source(["x"], then_wait=True)
