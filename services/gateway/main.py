@@ -65,6 +65,9 @@ PING_S = 15.0  # a quiet stream's keep-alive comment, for proxies
 # At a stop, open requests get this long to end; then their streams are cut (and aborted).
 GRACEFUL_STOP_S = 3.0
 BROKER_PROBE_S = 2.0
+# The broker's fetch wait of the heartbeat reader: /health needs a heartbeat within seconds, not
+# milliseconds, and the bus's default (20 ms) had it fetch 50 times a second, idle or not.
+HEALTH_FETCH_WAIT_MS = 500
 
 
 class ClientGone(Exception):
@@ -90,6 +93,7 @@ class Health:
             for t in (topics.INSTANCES, topics.KV_EVENTS)
         }
         consumer = await bus.consumer(list(decoders), None, from_end=True)
+        consumer.set_fetch_wait(HEALTH_FETCH_WAIT_MS)
         try:
             while True:
                 try:

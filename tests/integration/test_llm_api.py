@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import threading
 
 import pytest
 import torch
@@ -140,6 +141,10 @@ def test_priority_argument_and_token_id_prompts(llm):
 def test_async_llm_streams_and_an_abort_frees_blocks():
     engine = AsyncLLM(STORIES, dtype="float32", max_model_len=256, block_size=8)
     scheduler = engine.engine.core.scheduler
+    step, step_threads = engine.engine.step, set()
+    # Every step on the same thread of its own, not asyncio's shared pool (an OpenMP team belongs
+    # to the thread that starts it).
+    engine.engine.step = lambda: step_threads.add(threading.current_thread()) or step()
 
     async def main():
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -196,6 +201,8 @@ def test_async_llm_streams_and_an_abort_frees_blocks():
                 pass
 
     asyncio.run(main())
+    (thread,) = step_threads
+    assert thread.name.startswith("parkade-step")
 
 
 def test_seeded_sampling_survives_preemption():

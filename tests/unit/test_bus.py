@@ -9,7 +9,7 @@ import pytest
 
 from parkade.schemas import AbortRequest, topics
 from parkade.services.bus import MemoryBus
-from parkade.services.bus.serve import Service, serve
+from parkade.services.bus.serve import COMMIT_INTERVAL_S, Service, serve
 
 PREFIX = "t."
 REQUESTS = topics.topic_name(topics.REQUESTS, PREFIX)
@@ -68,6 +68,44 @@ def test_a_batch_is_committed_only_after_its_handler_succeeded():
         assert rest == []  # committed: not delivered a third time
 
     asyncio.run(main())
+
+
+def test_commits_come_once_an_interval_however_the_polls_alternate():
+    """A poll that comes back empty between two records (every step of the step loop) does not
+    commit by itself: at most one commit an interval, and everything is committed at the stop."""
+
+    class CountingBus(MemoryBus):
+        commits = 0
+
+        async def consumer(self, *args, **kwargs):
+            consumer = await super().consumer(*args, **kwargs)
+            commit = consumer.commit
+
+            async def counted(offsets):
+                self.commits += 1
+                await commit(offsets)
+
+            consumer.commit = counted
+            return consumer
+
+    async def main():
+        bus, seen = CountingBus(), []
+
+        async def feed():  # 30 records 15 ms apart, for 5 ms polls: empty polls between them
+            for i in range(30):
+                await bus.send(REQUESTS, abort(f"r{i}"))
+                await asyncio.sleep(0.015)
+            while len(seen) < 30:
+                await asyncio.sleep(0.01)
+
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await _serve_until(bus, lambda m, r: seen.append(m) or [], feed, poll_ms=5)
+        return bus, loop.time() - started
+
+    bus, took_s = asyncio.run(main())
+    assert bus.offsets["g"][REQUESTS] == 30
+    assert 2 <= bus.commits <= took_s / COMMIT_INTERVAL_S + 2  # (one at the stop)
 
 
 def test_undecodable_records_and_failing_handlers_go_to_the_dead_letter_topic():

@@ -971,6 +971,40 @@ def test_the_executors_heartbeat_survives_failed_sends():
     assert len(beats) >= 2  # the two failed sends did not end the heartbeat
 
 
+def test_the_executor_runs_every_step_on_one_thread_of_its_own():
+    """An OpenMP team belongs to the thread that starts it: steps spread over asyncio's shared
+    pool ran on several teams at once. Each step also sees its caller's context (its span)."""
+    import asyncio
+    import contextvars
+    import threading
+
+    from parkade.services.executor import main as executor_main
+
+    where = contextvars.ContextVar("where", default=None)
+    executor = executor_main.ExecutorService(_FlakyExecutor(lambda plan: False), max_model_len=64)
+    steps = []
+    executor.on_plan = lambda plan: steps.append((threading.get_ident(), where.get())) or []
+
+    async def main():
+        loop_thread = threading.get_ident()
+        for step_id in range(1, 7):
+            where.set(step_id)
+            plan = StepPlan(step_id=step_id, executor_id=executor.executor_id, scheduler_id="s")
+            # Two at once, as the loop never sends them, and each with another busy pool beside.
+            await asyncio.gather(executor.on_record(plan, None), asyncio.to_thread(lambda: None))
+        first = {ident for ident, _ in steps}
+        await executor.stop()  # the thread ends; a later step gets a new one
+        plan = StepPlan(step_id=7, executor_id=executor.executor_id, scheduler_id="s")
+        await executor.on_record(plan, None)
+        await executor.stop()
+        return loop_thread, first
+
+    loop_thread, first = asyncio.run(main())
+    assert len(first) == 1 and loop_thread not in first
+    assert [step for _, step in steps[:6]] == [1, 2, 3, 4, 5, 6]
+    assert steps[6][0] != loop_thread
+
+
 def test_an_executor_whose_step_hangs_gives_up_its_process():
     """Heartbeats come from the event loop, so they go on while a step's thread hangs: the
     heartbeat loop itself notices the step's age and ends the process (a supervisor restarts it)."""
