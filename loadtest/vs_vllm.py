@@ -72,6 +72,7 @@ def parkade_child(args: argparse.Namespace) -> dict:
             ),
         ),
         skip_tokenizer_init=True,
+        offline=True,  # LLM's defaults (its token budget), as vLLM's side runs its LLM class
     )
     executor = engine.core.executor
     init_s = time.perf_counter() - start

@@ -60,6 +60,17 @@ async def running_pipeline(
         asyncio.create_task(serve(bus, service, prefix=prefix, stop=stop, ready=event.set))
         for service, event in zip(pipeline.services, ready, strict=True)
     ]
+    body = asyncio.current_task()
+
+    def on_end(task: asyncio.Task) -> None:
+        # A service that fails while the body runs (nothing here restarts it: Tansu's
+        # NOT_LEADER_OR_FOLLOWER, see tests/e2e/stack.py) ends the body at once, and the failure
+        # is the service's error (raised below), not a timeout minutes later.
+        if not stop.is_set() and not task.cancelled() and task.exception() is not None and body is not None:
+            body.cancel()
+
+    for task in tasks:
+        task.add_done_callback(on_end)
     try:
         await asyncio.wait_for(asyncio.gather(*(r.wait() for r in ready)), 30)
         yield pipeline

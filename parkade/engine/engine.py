@@ -36,9 +36,13 @@ from parkade.services.tokenizer.frontend import (
 __all__ = ["Engine", "PromptType", "build_engine_parts"]
 
 
-def build_engine_parts(args: EngineArgs) -> tuple[Scheduler, Executor | SimulatedExecutor]:
+def build_engine_parts(
+    args: EngineArgs, *, offline: bool = False
+) -> tuple[Scheduler, Executor | SimulatedExecutor]:
     """Load the model, size the KV pool, and build the scheduler over that pool, as the executor
-    and scheduler services do (`build_executor`, `SchedulerConfig.build`)."""
+    and scheduler services do (`build_executor`, `SchedulerConfig.build`). `offline`: for `LLM`'s
+    batches, whose unset token budget is the executor's offline one (vLLM's LLM class: 4096 on a
+    CPU, where its server, as Parkade's services, takes 2048)."""
     scheduling = args.options(SchedulingOptions)
     executor, max_model_len = build_executor(
         args.options(ExecutorOptions),
@@ -47,19 +51,19 @@ def build_engine_parts(args: EngineArgs) -> tuple[Scheduler, Executor | Simulate
         ),
         environ=os.environ,
     )
-    geometry = KVGeometry(
-        executor.num_blocks, executor.block_size, max_model_len, executor.default_batched_tokens
-    )
+    budget = executor.default_offline_batched_tokens if offline else executor.default_batched_tokens
+    geometry = KVGeometry(executor.num_blocks, executor.block_size, max_model_len, budget)
     return Scheduler(SchedulerConfig.build(scheduling, geometry)), executor
 
 
 class Engine:
-    def __init__(self, args: EngineArgs, *, skip_tokenizer_init: bool = False) -> None:
+    def __init__(self, args: EngineArgs, *, skip_tokenizer_init: bool = False, offline: bool = False) -> None:
+        """`offline`: `LLM`'s batches (see build_engine_parts)."""
         self.args = args
         tokenizer = args.options(TokenizerOptions)
         if not skip_tokenizer_init:  # a folder without a tokenizer fails before the weights load
             check_model_folder(tokenizer.tokenizer or tokenizer.model, config=False, weights=False)
-        scheduler, executor = build_engine_parts(args)
+        scheduler, executor = build_engine_parts(args, offline=offline)
         # The engine's limit is the executor's (`build_executor` may lower an unset one to its
         # pool), and so the front end's: truncate_prompt_tokens=-1 cuts a prompt to it.
         tokenizer = dataclasses.replace(tokenizer, max_model_len=scheduler.config.max_model_len)

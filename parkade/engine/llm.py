@@ -52,7 +52,9 @@ class LLM:
         self, model: str | Path = DEFAULT_MODEL, *, skip_tokenizer_init: bool = False, **kwargs: Any
     ) -> None:
         self.engine = Engine(
-            EngineArgs.from_kwargs(model=model, **kwargs), skip_tokenizer_init=skip_tokenizer_init
+            EngineArgs.from_kwargs(model=model, **kwargs),
+            skip_tokenizer_init=skip_tokenizer_init,
+            offline=True,
         )
         self._counter = itertools.count()
 

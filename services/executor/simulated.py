@@ -137,6 +137,10 @@ class SimulatedExecutor:
     def default_batched_tokens(self) -> None:
         return None  # a GPU's steps: the scheduler's default budget
 
+    @property
+    def default_offline_batched_tokens(self) -> None:
+        return None
+
     def reset(self) -> None:
         """Forget every request (a new scheduler knows none of them)."""
         self.requests.clear()

@@ -58,8 +58,8 @@ class SchedulingOptions:
         default=None,
         metadata={
             "help": "tokens computed per step (the token budget); unset: the executor's default "
-            f"({DEFAULT_MAX_NUM_BATCHED_TOKENS}; 2048 on a CPU), or max_model_len if that is more and "
-            "chunked prefill is off"
+            f"({DEFAULT_MAX_NUM_BATCHED_TOKENS}; on a CPU 2048, and 4096 for LLM's offline batches, as "
+            "vLLM-CPU's), or max_model_len if that is more and chunked prefill is off"
         },
     )
     enable_prefix_caching: bool = field(

@@ -10,10 +10,10 @@ import pytest
 from hf_reference import STORIES
 from pipeline import running_pipeline
 
-from parkade import LLM, SamplingParams
+from parkade import LLM, AsyncLLM, SamplingParams
 from parkade.client import Client
 from parkade.services.bus import MemoryBus
-from parkade.services.executor.executor import CPU_MAX_NUM_BATCHED_TOKENS
+from parkade.services.executor.executor import CPU_MAX_NUM_BATCHED_TOKENS, CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS
 from parkade.services.scheduler.config import SchedulingOptions
 
 # Requests of equal priority arriving in this order: by arrival they run c, b, a; were
@@ -71,5 +71,8 @@ def test_both_paths_refuse_a_budget_below_max_model_len_without_chunked_prefill(
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) must be >= max_model_len \(64\)"):
         LLM(STORIES, max_model_len=64, enable_chunked_prefill=False, max_num_batched_tokens=32)
     unset = LLM(STORIES, max_model_len=64, enable_chunked_prefill=False)
-    assert unset.engine.core.scheduler.config.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
+    # Unset, the budget is vLLM-CPU's by usage: twice the server's for LLM's offline batches.
+    assert unset.engine.core.scheduler.config.max_num_batched_tokens == CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS
+    serving = AsyncLLM(STORIES, max_model_len=64, enable_chunked_prefill=False)
+    assert serving.engine.core.scheduler.config.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
     # The service's side of the same rule: tests/unit/test_service_handlers.py.

@@ -85,3 +85,36 @@ def test_overload_refuses_the_excess_at_once_and_leaves_no_state_behind():
     for service in pipeline.services:
         assert mentions(service, ids, skip=("finished",)) == [], type(service).__name__
     assert all(request_id in scheduler.live.finished for request_id in ids)
+
+
+def test_a_service_that_fails_mid_test_ends_the_test_with_its_error_at_once():
+    """The in-process pipeline restarts nothing: a service whose send fails (the broker's error)
+    ends the test body at once with that error, rather than the body waiting out its timeout."""
+    import time
+
+    import pytest
+
+    class BrokenBus(MemoryBus):
+        broken = False
+
+        async def queue_many(self, records):
+            if self.broken and any(r.topic.endswith("step-plans") for r in records):
+                raise ConnectionError("the broker went away (injected)")
+            return await super().queue_many(records)
+
+    params = SamplingParams(temperature=0, max_tokens=8)
+
+    async def main():
+        bus = BrokenBus()
+        async with (
+            running_pipeline(bus, STORIES, prefix="t.", max_model_len=256),
+            Client(bus=bus, topic_prefix="t.") as client,
+        ):
+            bus.broken = True
+            async for _ in client.generate(prompt="Once upon a time", sampling_params=params):
+                pass  # the scheduler's plan cannot be sent: no answer comes
+
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match="injected"):
+        asyncio.run(asyncio.wait_for(main(), 60))
+    assert time.monotonic() - started < 30
