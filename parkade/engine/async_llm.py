@@ -5,21 +5,18 @@
         print(output.outputs[0].text)   # cumulative, as vLLM's default output kind
 
 NOTE: one background task owns the `Engine`. Each step runs on one worker thread of its own
-(always the same: an OpenMP team belongs to the thread that starts it) so that the event loop
-stays free; adds and aborts are queued and applied by that task between steps, so the
-engine is never touched by two threads at once. Validation (`Engine.prepare`) reads only
-configuration, so `generate` raises a bad request's error at once.
+(`StepThread`: always the same) so that the event loop stays free; adds and aborts are queued
+and applied by that task between steps, so the engine is never touched by two threads at once.
+Validation (`Engine.prepare`) reads only configuration, so `generate` raises a bad request's error
+at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import functools
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ from parkade.engine.engine import Engine, PromptType
 from parkade.engine.outputs import RequestOutput
 from parkade.models import DEFAULT_MODEL
 from parkade.schemas import SamplingParams
+from parkade.services.executor.step_thread import StepThread
 
 
 class AsyncLLM:
@@ -47,7 +45,7 @@ class AsyncLLM:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._dead: EngineDeadError | None = None  # set once: a failed step, or shutdown
-        self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parkade-step")
+        self._step_thread = StepThread()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -130,8 +128,7 @@ class AsyncLLM:
                     if not self._pending:
                         await self._wakeup.wait()
                     continue
-                step = functools.partial(contextvars.copy_context().run, self.engine.step)  # as to_thread
-                outputs = await asyncio.get_running_loop().run_in_executor(self._step_thread, step)
+                outputs = await self._step_thread.run(self.engine.step)
                 self._deliver(outputs)
         except BaseException as error:
             # A failed step or a shutdown ends every open stream with an error, never a hang.
@@ -156,4 +153,4 @@ class AsyncLLM:
                 await self._loop_task
         if self._dead is None:
             self._dead = EngineDeadError("the engine was shut down")
-        self._step_thread.shutdown(wait=False)  # a step cancelled mid-way still ends in its thread
+        self._step_thread.close()

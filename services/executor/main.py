@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import functools
 import logging
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from parkade.schemas import StepPlan
@@ -24,6 +21,7 @@ from parkade.services.bus.serve import send_all
 from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
 from parkade.services.executor.handler import ExecutorHandler
 from parkade.services.executor.options import ExecutorOptions
+from parkade.services.executor.step_thread import StepThread
 
 if TYPE_CHECKING:
     from parkade.services.executor.executor import Executor
@@ -60,12 +58,7 @@ class ExecutorService(ExecutorHandler):
         self.heartbeat_s, self.step_deadline_s, self.on_hung = heartbeat_s, step_deadline_s, on_hung
         self.step_started: float | None = None  # loop time, while a step runs
         self._beating: asyncio.Task | None = None
-        # NOTE: every step on one thread of its own, never asyncio's shared pool (`to_thread`):
-        # an OpenMP team belongs to the thread that starts it, so steps spread over the pool's
-        # threads ran on several teams, whose idle workers spun on the cores the running team
-        # needed (see docs/benchmarks.md, 2026-12-06, sixteenth session). Made at the first
-        # step, ended by `stop`.
-        self._step_thread: ThreadPoolExecutor | None = None
+        self._step_thread = StepThread()  # every step on one thread of its own (see its module)
 
     async def start(self, bus: Bus, prefix: str) -> None:
         self._beating = asyncio.create_task(self._heartbeat(bus, prefix))
@@ -75,19 +68,12 @@ class ExecutorService(ExecutorHandler):
             self._beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._beating
-        if self._step_thread is not None:
-            self._step_thread.shutdown(wait=False)  # (a hung step's thread is left to its watchdog)
-            self._step_thread = None
+        self._step_thread.close()
 
     async def on_record(self, message: StepPlan, record: Record) -> list[Outgoing]:
-        loop = asyncio.get_running_loop()
-        if self._step_thread is None:
-            self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parkade-step")
-        self.step_started = loop.time()
-        # The caller's context goes with the step (its trace span), as `asyncio.to_thread` does.
-        step = functools.partial(contextvars.copy_context().run, self.on_plan, message)
+        self.step_started = asyncio.get_running_loop().time()
         try:
-            return await loop.run_in_executor(self._step_thread, step)
+            return await self._step_thread.run(self.on_plan, message)
         finally:
             self.step_started = None
 
