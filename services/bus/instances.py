@@ -44,7 +44,7 @@ class DuplicateInstanceError(RuntimeError):
 @contextlib.asynccontextmanager
 async def single_instance(
     bus: Bus,
-    service: str,
+    service: str | tuple[str, ...],
     prefix: str,
     instance_id: str,
     *,
@@ -52,15 +52,23 @@ async def single_instance(
     claim_wait_s: float = CLAIM_WAIT_S,
 ) -> AsyncIterator[None]:
     """Claim the service on these topics (raises DuplicateInstanceError), then keep heartbeating
-    until the block ends."""
+    until the block ends. Several services that share a process (`parkade replica`) are claimed
+    together: a heartbeat each, and one wait."""
+    names = (service,) if isinstance(service, str) else service
 
-    def beat(since: int) -> list[Outgoing]:
-        message = InstanceHeartbeat(
-            service=service, instance_id=instance_id, since=since, host=socket.gethostname(), pid=os.getpid()
-        )
-        return [Outgoing(topics.INSTANCES, message, service)]
+    def beat(since: dict[str, int]) -> list[Outgoing]:
+        host, pid = socket.gethostname(), os.getpid()
+        return [
+            Outgoing(
+                topics.INSTANCES,
+                InstanceHeartbeat(service=n, instance_id=instance_id, since=since[n], host=host, pid=pid),
+                n,
+            )
+            for n in names
+        ]
 
-    (since,) = await send_all(bus, beat(-1), prefix)
+    offsets = await send_all(bus, beat(dict.fromkeys(names, -1)), prefix)
+    since = dict(zip(names, offsets, strict=True))
 
     async def heartbeats() -> None:
         while True:
@@ -72,7 +80,7 @@ async def single_instance(
 
     task = asyncio.create_task(heartbeats())
     try:
-        await _listen(bus, service, prefix, instance_id, since, claim_wait_s)
+        await _listen(bus, prefix, instance_id, since, claim_wait_s)
         yield
     finally:
         task.cancel()
@@ -80,10 +88,12 @@ async def single_instance(
             await task
 
 
-async def _listen(bus: Bus, service: str, prefix: str, instance_id: str, since: int, wait_s: float) -> None:
+async def _listen(bus: Bus, prefix: str, instance_id: str, since: dict[str, int], wait_s: float) -> None:
+    """Raise DuplicateInstanceError on a heartbeat of another instance of one of the services
+    (`since`: each one's first heartbeat) that started before it."""
     name = topics.topic_name(topics.INSTANCES, prefix)
     decoder = topics.decoder(topics.INSTANCES)
-    consumer = await bus.consumer([name], None, start={name: since})
+    consumer = await bus.consumer([name], None, start={name: min(since.values())})
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     try:
@@ -93,12 +103,14 @@ async def _listen(bus: Bus, service: str, prefix: str, instance_id: str, since: 
                     other = decoder.decode(record.value)
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     continue
-                if other.service == service and other.instance_id != instance_id and 0 <= other.since < since:
+                mine = since.get(other.service)
+                if mine is not None and other.instance_id != instance_id and 0 <= other.since < mine:
                     raise DuplicateInstanceError(
-                        f"another {service} is serving the topics {prefix}* (instance {other.instance_id}, "
-                        f"pid {other.pid} on {other.host or 'an unknown host'}); a second one would jam "
-                        "the pipeline. Stop that one first; for another engine replica give this one "
-                        "another --replica name, for another deployment another --topic-prefix."
+                        f"another {other.service} is serving the topics {prefix}* (instance "
+                        f"{other.instance_id}, pid {other.pid} on {other.host or 'an unknown host'}); a "
+                        "second one would jam the pipeline. Stop that one first; for another engine "
+                        "replica give this one another --replica name, for another deployment another "
+                        "--topic-prefix."
                     )
     finally:
         await consumer.stop()

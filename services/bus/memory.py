@@ -3,12 +3,17 @@
 Same semantics as the Kafka bus where services rely on them: per-topic order, a group resumes
 from its last commit, and records returned but not committed are returned again to the next
 consumer of the group.
+
+It keeps every record, as Tansu does, unless made with `trim`: then a topic's records go once
+every consumer of a group that reads it has committed past them (the step topics of a replica
+that runs in one process, see split.py: a record per step, for as long as it serves).
+`bus.topics[t]` holds the records from `bus.base[t]`, the offset of its first one.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 
 from parkade.services.bus.base import Headers, Outcome, OutgoingRecord, Record, RecordRejected
 
@@ -28,13 +33,17 @@ class MemoryConsumer:
         committed = bus.offsets.get(group_id, {}) if group_id else (start or {})
         for topic in topics:
             bus.topics.setdefault(topic, [])
-        self.positions = {t: len(bus.topics[t]) if from_end else committed.get(t, 0) for t in topics}
+        self.positions = {t: bus.end(t) if from_end else committed.get(t, 0) for t in topics}
+        for t, position in self.positions.items():
+            if position < bus.base.get(t, 0):
+                raise ValueError(f"{t}: offset {position} is trimmed (the topic starts at {bus.base[t]})")
+        bus.readers.append(self)
 
     def set_fetch_wait(self, ms: int | None) -> None:
         """Nothing to set: a record wakes a waiting getmany at once."""
 
     def highwaters(self) -> dict[str, int]:
-        return {topic: len(self.bus.topics.get(topic, ())) for topic in self.topics}
+        return {topic: self.bus.end(topic) for topic in self.topics}
 
     async def getmany(self, timeout_ms: int = 100) -> list[Record]:
         if not self._available():
@@ -42,28 +51,39 @@ class MemoryConsumer:
                 await asyncio.wait_for(self.bus.changed.wait(), timeout_ms / 1000)
             except TimeoutError:
                 return []
+        return self.take()
+
+    def take(self) -> list[Record]:
+        """What is there now, without waiting."""
         out: list[Record] = []
         for topic in self.topics:  # a deleted topic reads as empty, as on Tansu
-            records = self.bus.topics.get(topic, [])[self.positions[topic] :]
+            start = self.positions[topic] - self.bus.base.get(topic, 0)
+            records = self.bus.topics.get(topic, [])[start:]
             self.positions[topic] += len(records)
             out.extend(records)
         return out
 
     def _available(self) -> bool:
-        return any(len(self.bus.topics.get(t, ())) > self.positions[t] for t in self.topics)
+        return any(self.bus.end(t) > self.positions[t] for t in self.topics)
 
     async def commit(self, offsets: dict[str, int]) -> None:
         if self.group_id is not None:
             self.bus.offsets.setdefault(self.group_id, {}).update(offsets)
+            if self.bus.trim:
+                self.bus.trim_read(offsets)
 
     async def stop(self) -> None:
-        pass
+        if self in self.bus.readers:
+            self.bus.readers.remove(self)
 
 
 class MemoryBus:
-    def __init__(self, max_record_bytes: int | None = None) -> None:
+    def __init__(self, max_record_bytes: int | None = None, *, trim: bool = False) -> None:
         self.max_record_bytes = max_record_bytes  # a broker's size limit, for tests
+        self.trim = trim  # drop what every reading group committed past (see the module)
         self.topics: dict[str, list[Record]] = {}
+        self.base: dict[str, int] = {}  # topic -> the offset of its first record kept (trimmed)
+        self.readers: list[MemoryConsumer] = []  # the consumers not stopped
         self.offsets: dict[str, dict[str, int]] = {}  # group -> topic -> next offset
         self.progress: dict[tuple[str, str], int] = {}  # (group, topic) -> a service's own offset
         # Set when a record arrives, then replaced: each waiter waits on the event of its time.
@@ -71,11 +91,29 @@ class MemoryBus:
         # its lock held (seen on Python 3.11), and every later send then waited forever.
         self.changed = asyncio.Event()
 
+    def end(self, topic: str) -> int:
+        """The offset the next record of `topic` gets."""
+        return self.base.get(topic, 0) + len(self.topics.get(topic, ()))
+
+    def trim_read(self, topics: Iterable[str]) -> None:
+        """Drop the records of `topics` that every live group consumer of them committed past.
+        NOTE: only group consumers count; one without a group (reading from an offset of its
+        own) on a trimmed topic is refused at its start instead."""
+        for topic in topics:
+            readers = [r for r in self.readers if r.group_id is not None and topic in r.positions]
+            if not readers or topic not in self.topics:
+                continue
+            low = min(self.offsets.get(r.group_id, {}).get(topic, 0) for r in readers)  # type: ignore[arg-type]
+            base = self.base.get(topic, 0)
+            if low > base:
+                del self.topics[topic][: low - base]
+                self.base[topic] = low
+
     async def send(
         self, topic: str, value: bytes, *, key: bytes | None = None, headers: Headers = ()
     ) -> None:
-        records = self.topics.setdefault(topic, [])
-        records.append(Record(topic, value, key, tuple(headers), 0, len(records)))
+        offset = self.end(topic)
+        self.topics.setdefault(topic, []).append(Record(topic, value, key, tuple(headers), 0, offset))
         self.changed.set()
         self.changed = asyncio.Event()
 
@@ -109,7 +147,7 @@ class MemoryBus:
                 outcomes.append(RecordRejected(f"{len(r.value)} bytes, over {self.max_record_bytes}"))
                 continue
             await self.send(r.topic, r.value, key=r.key, headers=r.headers)
-            outcomes.append(len(self.topics[r.topic]) - 1)
+            outcomes.append(self.end(r.topic) - 1)
         done = asyncio.get_running_loop().create_future()
         done.set_result(outcomes)
         return done
@@ -126,6 +164,7 @@ class MemoryBus:
         gone = set(topics)
         for topic in gone:
             self.topics.pop(topic, None)
+            self.base.pop(topic, None)
         for group_offsets in self.offsets.values():
             for topic in gone & group_offsets.keys():
                 del group_offsets[topic]

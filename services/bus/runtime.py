@@ -9,6 +9,11 @@ creates the missing topics (one with several partitions: one line, exit 2), clai
 on these topics (another instance serving them: one line, exit 3; see `instances.py`), runs
 `serve` until SIGINT or SIGTERM, and prints `READY <service>` once the service consumes its
 topics (the line `parkade up` waits for).
+
+Several services may share one process (`parkade replica`: a scheduler and its executor): `build`
+returns them by name, each is claimed and served as if alone, `local_topics` (the ones only they
+exchange) stay in memory (split.py), their metrics share one endpoint, and READY comes once all
+of them consume.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 from parkade.schemas import topics
 from parkade.schemas.routing import DEFAULT_REPLICA
 from parkade.schemas.topics import DEFAULT_PREFIX
-from parkade.services.bus.serve import Service, serve
+from parkade.services.bus.serve import Service, serve_together
 from parkade.services.common import logs, tracing
 from parkade.services.common.heap import freeze_startup_heap
 from parkade.services.common.timeline import StepTimeline
@@ -92,9 +97,16 @@ def idempotence_from_env() -> bool:
 
 
 def run_service(
-    name: str, parser: argparse.ArgumentParser, args: argparse.Namespace, build: Callable[[], Service]
+    name: str,
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    build: Callable[[], Service | dict[str, Service]],
+    *,
+    local_topics: tuple[str, ...] = (),
 ) -> int:
-    """Build the service, connect, serve until a signal; -> the process's exit code."""
+    """Build the service (or the services sharing this process, by name), connect, serve until a
+    signal; -> the process's exit code. `local_topics` (unprefixed): topics only these services
+    read and write, kept in this process's memory."""
     if not args.bootstrap_servers:
         parser.error("no broker: pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS")
     _exit_on_sigterm()
@@ -103,16 +115,19 @@ def run_service(
     logs.configure(name)
     tracing.configure(name, os.environ)
     try:
-        service = build()
+        built = build()
     except ValueError as error:  # settings or a model folder that cannot work: say so, no traceback
         print(f"parkade {name}: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C while loading: a normal stop
         return 0
-    if args.metrics_port is not None and not serve_metrics(name, args, service.enable_metrics().registry):
-        return 1
+    services = built if isinstance(built, dict) else {name: built}
+    if args.metrics_port is not None:
+        registries = [service.enable_metrics().registry for service in services.values()]
+        if not serve_metrics(name, args, registries[0] if len(registries) == 1 else merged(registries)):
+            return 1
     timeline_dir = os.environ.get("PARKADE_STEP_TIMELINE")  # benchmarks: see common/timeline.py
-    if timeline_dir:
+    for service in services.values() if timeline_dir else ():
         service.timeline = StepTimeline()
 
     async def serve_forever(stop: asyncio.Event) -> None:
@@ -120,13 +135,29 @@ def run_service(
             args.bootstrap_servers,
             args.topic_prefix,
             name,
-            lambda bus: serve(bus, service, prefix=args.topic_prefix, stop=stop, ready=_announce_ready(name)),
+            lambda bus: serve_together(
+                bus, list(services.values()), prefix=args.topic_prefix, stop=stop, ready=_announce_ready(name)
+            ),
             wait_s=args.broker_wait,
             idempotence=args.idempotence,
-            instance=service.instance_name or name,
-            own_topics=service.own_topics(),
+            instances=[service.instance_name or key for key, service in services.items()],
+            own_topics=tuple(t for service in services.values() for t in service.own_topics()),
+            local_topics=tuple(topics.topic_name(t, args.topic_prefix) for t in local_topics),
         )
 
+    try:
+        return _until_signalled(name, args, serve_forever)
+    finally:
+        tracing.shutdown()  # what is buffered goes out
+        for key, service in services.items():
+            if service.timeline is not None:
+                service.timeline.dump(Path(timeline_dir) / f"{key}.json")
+
+
+def _until_signalled(
+    name: str, args: argparse.Namespace, serve_forever: Callable[[asyncio.Event], Awaitable[None]]
+) -> int:
+    """`run_until_signalled`, with the start-up failures said in one line; -> the exit code."""
     from parkade.services.bus.instances import DuplicateInstanceError
     from parkade.services.bus.kafka import BrokerUnreachableError, TopicLayoutError
 
@@ -143,10 +174,6 @@ def run_service(
     except DuplicateInstanceError as error:
         print(f"parkade {name}: refusing to start: {error}", file=sys.stderr)
         return EXIT_DUPLICATE
-    finally:
-        tracing.shutdown()  # what is buffered goes out
-        if service.timeline is not None:
-            service.timeline.dump(Path(timeline_dir) / f"{name}.json")
 
 
 def connection_settings_ok(name: str) -> bool:
@@ -160,6 +187,27 @@ def connection_settings_ok(name: str) -> bool:
         print(f"parkade {name}: {error}", file=sys.stderr)
         return False
     return True
+
+
+def merged(registries: list[Any]) -> Any:
+    """One registry that serves what `registries` hold (families of one name, e.g. each
+    service's consumer lag, merged into one: their samples differ by labels)."""
+    from prometheus_client import CollectorRegistry
+
+    class Both:
+        def collect(self) -> Any:
+            families: dict[str, Any] = {}
+            for registry in registries:
+                for family in registry.collect():
+                    if family.name in families:
+                        families[family.name].samples.extend(family.samples)
+                    else:
+                        families[family.name] = family
+            return iter(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Both())
+    return registry
 
 
 def serve_metrics(name: str, args: argparse.Namespace, registry: Any) -> bool:
@@ -183,24 +231,27 @@ async def on_kafka(
     *,
     wait_s: float = BROKER_WAIT_S,
     idempotence: bool = False,
-    instance: str | None = None,
+    instances: list[str] | None = None,
     own_topics: tuple[str, ...] = (),
+    local_topics: tuple[str, ...] = (),
 ) -> None:
     """Wait for the broker, create any missing topic (`own_topics`: unprefixed, beyond every
-    deployment's), claim `instance` (default: `service`) on the topics, `run(bus)` (heartbeating),
-    close the bus."""
+    deployment's), claim each of `instances` (default: `service`) on the topics, `run(bus)`
+    (heartbeating), close the bus. `local_topics` (full names): kept in memory (split.py)."""
     from parkade.services.bus.instances import single_instance
     from parkade.services.bus.kafka import KafkaBus, wait_for_broker
+    from parkade.services.bus.split import SplitBus
 
     await wait_for_broker(bootstrap_servers, timeout_s=wait_s)
-    bus = KafkaBus(bootstrap_servers, client_id=f"parkade-{service}", idempotence=idempotence)
+    kafka = KafkaBus(bootstrap_servers, client_id=f"parkade-{service}", idempotence=idempotence)
+    bus = SplitBus(kafka, local_topics) if local_topics else kafka
     try:
         await bus.create_topics(
             topics.all_topic_names(prefix) + [topics.topic_name(t, prefix) for t in own_topics]
         )
         # NOTE: not before: a service that cannot start says so in one line and nothing else.
         log.info("starting: broker %s, topics %s*", bootstrap_servers, prefix, extra={"topic": prefix})
-        async with single_instance(bus, instance or service, prefix, uuid.uuid4().hex):
+        async with single_instance(bus, tuple(instances or [service]), prefix, uuid.uuid4().hex):
             await run(bus)
     finally:
         await bus.close()

@@ -238,6 +238,39 @@ async def serve(
         await service.stop()
 
 
+async def serve_together(
+    bus: Bus,
+    services: list[Service],
+    *,
+    prefix: str,
+    stop: asyncio.Event,
+    ready: Callable[[], None] | None = None,
+) -> None:
+    """`serve` each of `services` (sharing a process, see runtime.py) until `stop` is set;
+    `ready` once all of them consume. One that fails stops the others, and its error is raised."""
+    if len(services) == 1:
+        await serve(bus, services[0], prefix=prefix, stop=stop, ready=ready)
+        return
+    waiting = len(services)
+
+    def one_ready() -> None:
+        nonlocal waiting
+        waiting -= 1
+        if waiting == 0 and ready is not None:
+            ready()
+
+    tasks = [asyncio.create_task(serve(bus, s, prefix=prefix, stop=stop, ready=one_ready)) for s in services]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class _Loop:
     """`serve`'s consume -> handle -> produce -> commit loop, over one consumer."""
 

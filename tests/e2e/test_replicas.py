@@ -104,7 +104,8 @@ async def _round(client: Client, tag: str, disturb) -> tuple[list[str], list[lis
 
 def test_two_replicas_lose_nothing_when_one_is_killed_or_hangs(tmp_path):
     expected = [o.outputs[0] for o in LLM().generate(PROMPTS, [_seeded(i) for i in range(len(PROMPTS))])]
-    up = Up(tmp_path / "home", "--replicas", "2", "--tokenizers", "2", *FAST_HANDOVER)
+    # Split replicas: a scheduler killed or hung while its executor serves on.
+    up = Up(tmp_path / "home", "--replicas", "2", "--tokenizers", "2", "--split-replicas", *FAST_HANDOVER)
     try:
         state = up.wait_ready()
         assert {"scheduler", "scheduler-1", "executor", "executor-1", "tokenizer-1"} <= set(state["pids"])

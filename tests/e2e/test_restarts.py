@@ -82,7 +82,7 @@ async def _round(up: Up, client: Client, kills: list[str]) -> list[list]:
 def test_killed_services_resume_every_stream_exactly(tmp_path):
     llm = LLM(dtype="float32")
     expected = [o.outputs[0] for o in llm.generate(PROMPTS, [_params(i) for i in range(len(PROMPTS))])]
-    up = Up(tmp_path / "home", "--dtype", "float32")
+    up = Up(tmp_path / "home", "--dtype", "float32", "--split-replicas")  # each service on its own
     try:
         state = up.wait_ready()
 

@@ -101,20 +101,29 @@ def _seeded(i: int) -> SamplingParams:
     return SamplingParams(temperature=1.0, seed=10 + i, max_tokens=150, ignore_eos=True)
 
 
-def test_up_simulate_resumes_every_stream_exactly_after_its_executor_and_scheduler_are_killed(tmp_path):
+@pytest.mark.parametrize(
+    "layout, victims",
+    [(("--split-replicas",), ("executor", "scheduler")), ((), ("replica",))],
+    ids=["split", "one-process"],
+)
+def test_up_simulate_resumes_every_stream_exactly_after_its_executor_and_scheduler_are_killed(
+    tmp_path, layout, victims
+):
+    """Split, the executor then the scheduler is killed mid-stream; in one process, the replica
+    (both at once, and its in-memory step topics with them)."""
     speed = ("--simulate", SIMULATE, "--simulate-speedup", "5")
     llm = LLM(simulate=SIMULATE, simulate_speedup=1e6)
     expected = [o.outputs[0] for o in llm.generate(PROMPTS, [_seeded(i) for i in range(len(PROMPTS))])]
-    up = Up(tmp_path / "home", *speed)
+    up = Up(tmp_path / "home", *speed, *layout)
     try:
         state = up.wait_ready()
-        executor_pid = state["pids"]["executor"]
+        executor_pid = state["pids"][victims[0]]
         with open(f"/proc/{executor_pid}/maps") as maps:
             assert "libtorch" not in maps.read()  # the simulated executor loads no torch
 
         async def main():
             async with Client(state["bootstrap_servers"]) as client:
-                for victim in ("executor", "scheduler"):
+                for victim in victims:
                     events: list[list] = [[] for _ in PROMPTS]
 
                     async def one(i: int, events: list[list] = events) -> None:

@@ -29,7 +29,7 @@ def _run_and_stop(up: Up, prompt: str, *args: str) -> subprocess.CompletedProces
     finally:
         code = up.stop()
     assert code == 0, f"parkade up exit code {code}:\n{up.output()}"
-    assert set(state["pids"]) == {"broker", "tokenizer", "scheduler", "executor", "gateway"}
+    assert set(state["pids"]) == {"broker", "tokenizer", "replica", "gateway"}
     left = [name for name, pid in state["pids"].items() if running(pid)]
     assert not left, f"still running after parkade up exited: {left}"
     assert not (up.home / "up.json").exists()
@@ -83,15 +83,17 @@ def test_up_serves_the_shipped_model_and_hands_each_service_its_flags(tmp_path):
     assert health == {"status": "ok", "broker": True, "services_missing": []}
     assert list(replicas) == ["0"], replicas  # (serving once its status follows its executor's)
     assert completion.choices[0].text == result.stdout.removeprefix("Once upon a time").rstrip("\n")
-    executor, scheduler = " ".join(commands["executor"]), " ".join(commands["scheduler"])
-    assert "--block-size 8 --max-model-len 256" in executor and "--max-num-seqs" not in executor
-    assert "--max-num-seqs 8" in scheduler and "--scheduling-policy priority" in scheduler
-    assert "--no-enable-prefix-caching" in scheduler and "--max-in-flight 2" in scheduler
+    # The replica (its scheduler and executor in one process) takes both services' flags.
+    replica = " ".join(commands["replica"])
+    assert "-m parkade.cli replica " in replica and "--replica 0" in replica
+    assert "--block-size 8 --max-model-len 256" in replica and "--max-num-seqs 8" in replica
+    assert "--scheduling-policy priority" in replica and "--no-enable-prefix-caching" in replica
+    assert "--max-in-flight 2" in replica and "--max-num-seqs" not in " ".join(commands["tokenizer"])
     assert "--model" not in " ".join(commands["tokenizer"])  # the default: nothing to pass
-    # --pipeline-nice: every child but the executor below it, in its session's group too.
-    assert nice == {"broker": 5, "tokenizer": 5, "scheduler": 5, "executor": 0, "gateway": 5}, nice
-    if groups["executor"] is not None:  # a kernel with autogroup
-        assert groups == {"broker": 5, "tokenizer": 5, "scheduler": 5, "executor": 0, "gateway": 5}, groups
+    # --pipeline-nice: every child but the replica (the executor) below it, in its session's group too.
+    assert nice == {"broker": 5, "tokenizer": 5, "replica": 0, "gateway": 5}, nice
+    if groups["replica"] is not None:  # a kernel with autogroup
+        assert groups == {"broker": 5, "tokenizer": 5, "replica": 0, "gateway": 5}, groups
     assert result.returncode == 0, f"{result.stderr}\n{up.output()}"
     # The trained stories260K, greedy: the story its authors document.
     assert result.stdout.startswith("Once upon a time, there was a little girl named Lily"), result.stdout
@@ -109,9 +111,9 @@ def test_up_and_generate_on_a_model_folder_given_with_model(tmp_path):
 
 def test_ctrl_c_while_starting_stops_quietly_and_exits_0(tmp_path):
     up = Up(tmp_path)
-    executor_log = tmp_path / "logs" / "latest" / "executor.log"
+    replica_log = tmp_path / "logs" / "latest" / "replica.log"
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not executor_log.exists():  # the services are starting: loading torch and the model
+    while not replica_log.exists():  # the services are starting: loading torch and the model
         assert up.proc.poll() is None, up.output()
         assert time.monotonic() < deadline, up.output()
         time.sleep(0.05)
@@ -126,9 +128,9 @@ def test_a_killed_service_is_restarted_and_the_stack_serves_on(tmp_path):
     up = Up(tmp_path / "home")
     try:
         state = up.wait_ready()
-        os.kill(state["pids"]["executor"], signal.SIGKILL)
+        os.kill(state["pids"]["replica"], signal.SIGKILL)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while (fresh := up.wait_ready())["pids"]["executor"] == state["pids"]["executor"]:
+        while (fresh := up.wait_ready())["pids"]["replica"] == state["pids"]["replica"]:
             assert up.proc.poll() is None, f"parkade up stopped:\n{up.output()}"
             assert time.monotonic() < deadline, f"no restart in {START_TIMEOUT_S}s:\n{up.output()}"
             time.sleep(0.5)
@@ -137,9 +139,9 @@ def test_a_killed_service_is_restarted_and_the_stack_serves_on(tmp_path):
         code = up.stop()
     assert result.returncode == 0, f"{result.stderr}\n{up.output()}"
     assert code == 0, up.output()
-    assert "restarting the executor in 1s (restart 1)" in up.log_path.read_text()
-    assert "restart 1 of the executor" in (up.home / "logs" / "latest" / "executor.log").read_text()
-    assert not running(fresh["pids"]["executor"])
+    assert "restarting the replica in 1s (restart 1)" in up.log_path.read_text()
+    assert "restart 1 of the replica" in (up.home / "logs" / "latest" / "replica.log").read_text()
+    assert not running(fresh["pids"]["replica"])
 
 
 def test_a_second_stack_on_the_same_broker_is_refused_and_a_rebalance_heals(tmp_path):
@@ -158,7 +160,7 @@ def test_a_second_stack_on_the_same_broker_is_refused_and_a_rebalance_heals(tmp_
         assert code != 0, second.output()
         logs = [
             (second.home / "logs" / "latest" / f"{name}.log").read_text()
-            for name in ("tokenizer", "scheduler", "executor")
+            for name in ("tokenizer", "replica")
             if (second.home / "logs" / "latest" / f"{name}.log").exists()
         ]
         # Every service that reached the broker refused to start; `parkade up` stops at the first
@@ -218,8 +220,8 @@ def test_a_second_stack_on_the_same_broker_is_refused_and_a_rebalance_heals(tmp_
 # the work, and one that every service of its kind exports.
 METRICS = {
     "tokenizer": ("parkade:tokenizer_requests", "parkade:consumer_lag"),
-    "scheduler": ("parkade:e2e_request_latency_seconds", "parkade:kv_cache_usage_perc"),
-    "executor": ("parkade:steps", "parkade:step_time_seconds"),
+    # The scheduler's and the executor's, at one endpoint.
+    "replica": ("parkade:e2e_request_latency_seconds", "parkade:steps", "parkade:kv_cache_usage_perc"),
     "gateway": ("parkade:gateway_requests", "parkade:gateway_requests_running"),
 }
 
@@ -254,22 +256,23 @@ def test_every_service_metrics_and_the_api_key_under_up(tmp_path):
     finally:
         code = up.stop()
     assert code == 0, up.output()
-    assert list(scraped) == ["tokenizer", "scheduler", "executor", "gateway"]
+    assert list(scraped) == ["tokenizer", "replica", "gateway"]
     banner = up.log_path.read_text()
     assert "Metrics (Prometheus): " + ", ".join(f"{n} {u}" for n, u in state["metrics"].items()) in banner
     for name, families in scraped.items():
         samples = [s for family in families.values() for s in family]
         assert not [s.name for s in samples if s.name.endswith("_created")], name
-        counted, always = METRICS[name]
+        *counted_by, always = METRICS[name]
         assert families.get(always), f"{name}: no {always} samples"
-        values = [s.value for s in families.get(counted, []) if not s.name.endswith("_bucket")]
-        assert values and max(values) > 0, f"{name}: {counted} counted nothing: {families.get(counted)}"
+        for counted in counted_by:
+            values = [s.value for s in families.get(counted, []) if not s.name.endswith("_bucket")]
+            assert values and max(values) > 0, f"{name}: {counted} counted nothing: {families.get(counted)}"
     assert set(gateway_http) == set(scraped["gateway"])  # the same registry, at either port
     assert "k-123" not in words and "--api-key" not in words  # the key went by the environment
     stopping, stopped = banner.index("parkade up: stopping"), banner.index("parkade up: stopped")
     assert stopping < stopped and "the embedded broker held" in banner[stopped:]
     # Each service's log: a clean start and stop have no warning, and the stop is in it.
-    for name in ("tokenizer", "scheduler", "executor", "gateway"):
+    for name in ("tokenizer", "replica", "gateway"):
         lines = (tmp_path / "logs" / "latest" / f"{name}.log").read_text().splitlines()
         events = [json.loads(line) for line in lines if line.startswith("{")]
         assert [e for e in events if e["level"] not in ("info", "debug")] == [], name

@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from parkade import up
+from parkade import replica, up
 from parkade.cli import build_parser
 from parkade.services.bus.runtime import service_parser
 from parkade.services.common.flags import add_flags
@@ -28,11 +28,12 @@ MAINS = {
     "scheduler": scheduler_main,
     "executor": executor_main,
     "gateway": gateway_main,
+    "replica": replica,
 }
 # The options of a service that `parkade up` sets itself, per child, and why.
 SET_BY_UP = {
     "--bootstrap-servers": "its broker (the embedded one, or $KAFKA_BOOTSTRAP_SERVERS)",
-    "--replica": "each scheduler's and executor's replica, 0..--replicas - 1",
+    "--replica": "each replica's (or scheduler's and executor's) replica, 0..--replicas - 1",
     "--tokenizer-index": "each tokenizer's index, 0..--tokenizers - 1",
 }
 
@@ -82,7 +83,7 @@ def test_every_option_of_every_service_is_an_option_of_parkade_up(name, monkeypa
 
 def test_the_bus_options_reach_every_service_and_the_key_goes_by_the_environment():
     args = build_parser().parse_args(["up", "--idempotence", "--broker-wait", "3.5", "--api-key", "k1"])
-    for name in ("tokenizer", "scheduler", "executor"):
+    for name in ("tokenizer", "scheduler", "executor", "replica"):
         parser = service_parser(name, None, replica=name != "tokenizer")
         add_flags(parser, MAINS[name].FLAGS)
         parsed = parser.parse_args(["--bootstrap-servers", "x:1", *up.service_argv(name, args)])
@@ -98,11 +99,14 @@ def test_a_metrics_port_range_in_use_is_refused_before_anything_starts():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        # 1 tokenizer + 2 replicas (a scheduler and an executor each) + the gateway: 6 ports
-        args = build_parser().parse_args(["up", "--replicas", "2", "--metrics-port", str(port - 5)])
-        problem = up.check(args)
+        # 1 tokenizer + 2 split replicas (a scheduler and an executor each) + the gateway: 6 ports
+        split = ["up", "--replicas", "2", "--split-replicas", "--metrics-port", str(port - 5)]
+        problem = up.check(build_parser().parse_args(split))
+        # 1 tokenizer + 2 replicas of one process each + the gateway: 4 ports
+        one = up.check(build_parser().parse_args(["up", "--replicas", "2", "--metrics-port", str(port - 3)]))
     assert problem is not None and problem.startswith(f"metrics port {port} is in use")
     assert f"--metrics-port {port - 5} takes 6 ports" in problem
+    assert one is not None and f"--metrics-port {port - 3} takes 4 ports" in one
 
 
 def test_each_run_has_its_own_log_folder_and_the_oldest_are_removed(tmp_path, monkeypatch):
@@ -207,7 +211,7 @@ def test_a_clock_set_back_never_removes_this_runs_logs(tmp_path, monkeypatch):
 def test_metrics_ports_that_cannot_work_are_refused_before_anything_starts(monkeypatch):
     parse = build_parser().parse_args
     problem = up.check(parse(["up", "--metrics-port", "9100", "--http-port", "9102"]))
-    assert problem == "--metrics-port 9100 takes 4 ports, --http-port 9102 among them"
+    assert problem == "--metrics-port 9100 takes 3 ports, --http-port 9102 among them"
     monkeypatch.setenv("PARKADE_METRICS_PORT", "nine")
     args = parse(["up"])  # (the parser still builds: every command works)
     assert up.check(args) == "PARKADE_METRICS_PORT='nine' is not a port number"
