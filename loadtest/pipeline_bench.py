@@ -15,7 +15,10 @@ work between steps), the step's round trip outside the executor (each service ma
 Pipeline path: a Tansu broker on a free loopback port (unless --bootstrap-servers or
 $KAFKA_BOOTSTRAP_SERVERS names one), topics under a fresh prefix, and the tokenizer, scheduler and
 executor as child processes (`python -m parkade.cli <service>`, OMP_NUM_THREADS=--threads), fed by
-`parkade.client.Client`. In-process path: `AsyncLLM` in this process, torch.set_num_threads(--threads).
+`parkade.client.Client`; with --one-process the tokenizer and `parkade replica` (the scheduler and
+executor in one process, their steps in memory, as `parkade up` runs them: no step timeline from
+the broker, the steps' tokens from the scheduler's metrics). In-process path: `AsyncLLM` in this
+process, torch.set_num_threads(--threads).
 Both get the same engine settings, the same requests (half greedy, half seeded sampling, `ignore_eos`
 so that every request yields exactly `--max-tokens` tokens) and one warm-up request first.
 
@@ -63,7 +66,14 @@ OPENINGS = [
     "There was a cat who liked to",
 ]
 SERVICES = ("tokenizer", "scheduler", "executor")
+ONE_PROCESS = ("tokenizer", "replica")  # --one-process: the replica as `parkade up` runs it
+
+
 READY_TIMEOUT_S = 300.0  # a cold start on a busy 2-core machine: imports and model load
+
+
+def services(args: argparse.Namespace) -> tuple[str, ...]:
+    return ONE_PROCESS if args.one_process else SERVICES
 
 
 @dataclass
@@ -269,12 +279,12 @@ def service_cmd(name: str, bootstrap: str, prefix: str, args: argparse.Namespace
     cmd += ["--bootstrap-servers", bootstrap, "--topic-prefix", prefix]
     simulate = ["--simulate", args.simulate] if args.simulate else []
     if name == "tokenizer":
-        cmd += ["--model", args.model, *simulate]
-    elif name == "scheduler":
+        return [*cmd, "--model", args.model, *simulate]
+    if name in ("scheduler", "replica"):
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]
         cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         cmd += ["--max-in-flight", str(args.max_in_flight)]
-    else:
+    if name in ("executor", "replica"):
         cmd += ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size)]
         cmd += ["--seed", str(args.seed), "--metrics-port", str(args.executor_metrics_port)]
         budget = kv_cache_bytes(args)
@@ -313,7 +323,7 @@ async def start_services(
         await bus.create_topics([topics.topic_name(t, prefix) for t in topics.ALL_TOPICS])
     finally:
         await bus.close()
-    for name in SERVICES:
+    for name in services(args):
         children.append(await Child.start(name, service_cmd(name, bootstrap, prefix, args), log_dir))
     return bootstrap
 
@@ -376,7 +386,7 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
     children: list[Child] = []
     try:
         bootstrap = await start_services(args.bootstrap_servers, prefix, args, log_dir, children)
-        for child in children[-len(SERVICES) :]:
+        for child in children[-len(services(args)) :]:
             await wait_ready(child)
         startup_s = time.perf_counter() - started
         async with Client(bootstrap, prefix) as client:
@@ -390,18 +400,24 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
                     trace.add(time.perf_counter(), list(event.token_ids))
 
             await one("warmup", "Hello", SamplingParams(temperature=0.0, max_tokens=8), Trace(True))
-            plans_before = len((await read_steps(bootstrap, prefix))[0])
+            plans_before = 0 if args.one_process else len((await read_steps(bootstrap, prefix))[0])
             cpu_before = {c.name: cpu_seconds(c.proc.pid) for c in children}
             gaps_before = executor_seconds(args.executor_metrics_port)
             ran = await asyncio.wait_for(drive(workload, args.concurrency, one), args.timeout)
             cpu = {c.name: round(cpu_seconds(c.proc.pid) - cpu_before[c.name], 2) for c in children}
             gaps = executor_seconds(args.executor_metrics_port)
-        all_plans, results = await read_steps(bootstrap, prefix)
+        # One process: the steps never reach the broker; its plans and results come from the
+        # step timeline once it stops (below), their tokens from the scheduler's metrics.
+        all_plans, results = ([], {}) if args.one_process else await read_steps(bootstrap, prefix)
         plans = [p.total_num_scheduled_tokens for p, _ in all_plans[plans_before:]]
         timeline = step_timeline(all_plans[plans_before:], results)
         first_step = all_plans[plans_before][0].step_id if len(all_plans) > plans_before else 0
     finally:
         codes = await stop_all(children)
+    if args.one_process:
+        since = min(t.submit for t in ran["traces"].values())
+        first_step, computed = timeline_steps(log_dir / "timeline", since)
+        plans = [tokens_per_step(gaps_before, gaps)] * computed
     round_trip = round_trip_segments(log_dir / "timeline", first_step, args.max_in_flight)
     edges = run_edges(log_dir / "timeline", first_step, ran["traces"])
     result = summarize(ran["traces"], ran["elapsed"])
@@ -426,8 +442,9 @@ async def run_pipeline(args: argparse.Namespace, workload: dict) -> tuple[dict, 
     return result, ran["traces"]
 
 
-def executor_seconds(port: int) -> tuple[float, float]:
-    """(busy, idle) seconds so far, from the executor's metrics endpoint."""
+def executor_seconds(port: int) -> tuple[float, float, float, float]:
+    """(busy, idle) seconds so far, from the executor's metrics endpoint; and, where the same
+    endpoint serves the scheduler's (one process), its steps' tokens and steps so far."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -435,7 +452,27 @@ def executor_seconds(port: int) -> tuple[float, float]:
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         values[name] = float(value) if value and not line.startswith("#") else 0.0
-    return values["parkade:executor_busy_seconds_total"], values["parkade:executor_idle_seconds_total"]
+    busy, idle = values["parkade:executor_busy_seconds_total"], values["parkade:executor_idle_seconds_total"]
+    tokens = values.get("parkade:iteration_tokens_total_sum", 0.0)
+    return busy, idle, tokens, values.get("parkade:iteration_tokens_total_count", 0.0)
+
+
+def tokens_per_step(before: tuple[float, ...], after: tuple[float, ...]) -> float:
+    """Mean tokens of the steps between two `executor_seconds` readings (one process)."""
+    return (after[2] - before[2]) / max(1.0, after[3] - before[3])
+
+
+def timeline_steps(folder: Path, since: float) -> tuple[int, int]:
+    """(the first step the executor received after `since`, on the timelines' clock; how many it
+    computed from there), from the executor's step timeline."""
+    try:
+        executor = json.loads((folder / "executor.json").read_text())
+    except OSError:
+        return 0, 0
+    received = sorted(int(n) for n, t in executor.get("received", {}).items() if t >= since)
+    if not received:
+        return 0, 0
+    return received[0], sum(1 for n in executor.get("computed", {}) if int(n) >= received[0])
 
 
 def run_edges(folder: Path, first_step: int, traces: dict[str, Trace]) -> tuple[float | None, float | None]:
@@ -556,6 +593,12 @@ def main() -> None:
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the pipeline's workload")
     parser.add_argument("--log-dir", default=None, help="the services' logs (default: a temp folder)")
+    parser.add_argument(
+        "--one-process",
+        action="store_true",
+        help="the scheduler and executor as one process (`parkade replica`, as `parkade up` runs "
+        "them: steps in memory) rather than two whose steps go through the broker",
+    )
     args = parser.parse_args()
     simulated = args.simulate is not None
     for name, plain, simulated_default in (

@@ -81,7 +81,7 @@ def test_up_serves_the_shipped_model_and_hands_each_service_its_flags(tmp_path):
     assert code == 0, up.output()
     replicas = health.pop("replicas")
     assert health == {"status": "ok", "broker": True, "services_missing": []}
-    assert list(replicas) == ["0"], replicas  # (serving once its status follows its executor's)
+    assert list(replicas) == ["0"] and replicas["0"]["serving"], replicas  # 200: a replica serves
     assert completion.choices[0].text == result.stdout.removeprefix("Once upon a time").rstrip("\n")
     # The replica (its scheduler and executor in one process) takes both services' flags.
     replica = " ".join(commands["replica"])
