@@ -69,8 +69,8 @@ STOP_TIMEOUT_S = 20.0
 TRACE_FILE = "traces.jsonl"  # under $PARKADE_HOME, with --trace
 _TAIL_LINES = 20
 RESTART_BACKOFF_S = (1.0, 30.0)  # the first wait, the longest
-# `--pipeline-nice`: the CPU priority of every child but the executors, below theirs. On a small
-# machine the executor's step is the bottleneck, and its threads work as a team: one of them
+# `--pipeline-nice`: the CPU priority of every child but the replicas (executors), below theirs. On
+# a small machine the executor's step is the bottleneck, and its threads work as a team: one of them
 # preempted by the pipeline's work between steps holds the whole step up. But the pipeline's work
 # is also each request's way in and out. Measured on 2 vCPUs (tiny-llama, 64 streams of 256 + 128
 # tokens at once, vLLM's `bench serve`, alternated): at 10, output 4,740-5,298 tok/s and TPOT
@@ -205,9 +205,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=PIPELINE_NICE,
         metavar="N",
-        help="CPU priority of the broker, tokenizers, schedulers and gateway: nice N, below the "
-        "executors' (the model's steps first on a busy machine: more tokens a second, a longer wait "
-        f"for the first); 0: all equal (default: {PIPELINE_NICE})",
+        help="CPU priority of the broker, tokenizers, gateway (and split schedulers): nice N, below "
+        "the replicas' and executors' (the model's steps first on a busy machine: more tokens a "
+        f"second, a longer wait for the first); 0: all equal (default: {PIPELINE_NICE})",
     )
     local.add_argument(
         "--keep-logs",
@@ -671,9 +671,7 @@ async def _external_broker_up(bootstrap: str, wait_s: float) -> bool:
 
 def process_kinds(args: argparse.Namespace) -> tuple[str, ...]:
     """The kinds of process `parkade up` starts, in the banner's order."""
-    if args.split_replicas:
-        return SERVICES
-    return tuple(k for s in SERVICES if (k := "replica" if s == "scheduler" else s) != "executor")
+    return SERVICES if args.split_replicas else ("tokenizer", "replica", "gateway")
 
 
 def _service_cmds(name: str, bootstrap: str, args: argparse.Namespace) -> list[tuple[str, list[str]]]:
