@@ -10,8 +10,7 @@ go to the generated topic, so the tokenizers, the gateway and every client see n
 
 `parkade up` runs each replica this way unless --split-replicas. Run the two services apart where
 they must live apart (an executor on another host); a restart of this process restarts both,
-and the scheduler recomputes its requests on the fresh executor (docs/design.md, "Engine
-replicas and routing").
+and the scheduler recomputes its requests on the fresh executor (docs/design.md, "Processes").
 """
 
 from __future__ import annotations
