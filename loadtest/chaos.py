@@ -79,7 +79,7 @@ def start_up(home: Path, model: Path) -> subprocess.Popen:
     env.pop("KAFKA_BOOTSTRAP_SERVERS", None)
     log = (home / "up.log").open("w")
     cmd = [sys.executable, "-P", "-m", "parkade.cli", "up", "--dtype", "float32", "--model", str(model)]
-    cmd.append("--split-replicas")  # each service killed on its own
+    cmd += ["--split-replicas", "--split-tokenizer"]  # each service killed on its own
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 

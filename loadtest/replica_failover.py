@@ -115,6 +115,7 @@ def main() -> None:
         "--replicas", str(args.replicas), "--tokenizers", str(args.tokenizers),
         "--simulate", SIMULATE, "--simulate-speedup", str(SPEEDUP), "--replica-timeout-s", "2",
         "--split-replicas",  # a replica's scheduler alone is the victim
+        "--split-tokenizer",  # and a tokenizer alone
     ]  # fmt: skip
     log = (home / "up.log").open("w")
     up = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

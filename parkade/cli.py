@@ -8,7 +8,7 @@ parkade generate "prompt" [generation flags]
 parkade offline "prompt" [--model DIR] [engine and scheduling flags] [generation flags]
     run the in-process engine on one prompt and stream the completion to stdout
 parkade tokenizer | scheduler | executor | gateway [--help]
-    run one service
+    run one service (`parkade gateway --with-tokenizer`: the gateway and the tokenizer in one process)
 parkade replica [--help]
     run one engine replica in one process: a scheduler and its executor (what `parkade up`
     starts for each replica, with a tokenizer and the gateway)
@@ -387,6 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # NOTE: a service parses its own arguments (and its own --help).
+    if argv and argv[0] == "gateway":  # with --with-tokenizer, the tokenizer in its process
+        from parkade import gateway
+
+        return gateway.main(argv[1:])
     if argv and argv[0] in SERVICES:
         return _service(argv[0], argv[1:])
     if argv and argv[0] == "replica":

@@ -87,11 +87,14 @@ class RequestClient:
         bootstrap_servers: str | None = None,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         own_reply_topic: bool = True,
+        reply_topic: str | None = None,
         heartbeat_s: float = replies.HEARTBEAT_S,
         reap_grace_s: float = replies.REAP_GRACE_S,
     ) -> None:
         """Talk to the pipeline over `bus` (`bootstrap_servers` only names it in errors).
-        `heartbeat_s`, `reap_grace_s`: for the reply topic (see replies.py)."""
+        `reply_topic`: its name (default: a new one), where the caller needs it first (a gateway
+        keeps it in memory, see split.py). `heartbeat_s`, `reap_grace_s`: for the reply topic
+        (see replies.py)."""
         self.bus = bus
         self.bootstrap_servers = bootstrap_servers
         self.prefix = topic_prefix or topics.DEFAULT_PREFIX
@@ -100,7 +103,11 @@ class RequestClient:
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
         self._decoder = topics.TopicDecoder(topics.TOKENS)
-        self.reply_topic = replies.new_reply_topic(self.prefix) if own_reply_topic else None
+        if reply_topic is not None and not (
+            own_reply_topic and replies.is_reply_topic(reply_topic, self.prefix)
+        ):
+            raise ValueError(f"{reply_topic!r} is not a reply topic of prefix {self.prefix!r}")
+        self.reply_topic = (reply_topic or replies.new_reply_topic(self.prefix)) if own_reply_topic else None
         self.heartbeat_s = heartbeat_s
         self.reap_grace_s = reap_grace_s
         self._created = False  # whether this client created its reply topic (and must delete it)

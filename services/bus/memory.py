@@ -5,8 +5,9 @@ from its last commit, and records returned but not committed are returned again 
 consumer of the group.
 
 It keeps every record, as Tansu does, unless made with `trim`: then a topic's records go once
-every consumer of a group that reads it has committed past them (the step topics of a replica
-that runs in one process, see split.py: a record per step, for as long as it serves).
+every live consumer that reads it is past them: a group's consumer once its group committed past
+them, one without a group once it took them (the step topics of a replica that runs in one
+process, and a gateway's reply topic, see split.py: records for as long as it serves).
 `bus.topics[t]` holds the records from `bus.base[t]`, the offset of its first one.
 """
 
@@ -33,7 +34,8 @@ class MemoryConsumer:
         committed = bus.offsets.get(group_id, {}) if group_id else (start or {})
         for topic in topics:
             bus.topics.setdefault(topic, [])
-        self.positions = {t: bus.end(t) if from_end else committed.get(t, 0) for t in topics}
+        # Without a commit (or a start) for a topic: its first record kept, as Kafka's earliest.
+        self.positions = {t: bus.end(t) if from_end else committed.get(t, bus.base.get(t, 0)) for t in topics}
         for t, position in self.positions.items():
             if position < bus.base.get(t, 0):
                 raise ValueError(f"{t}: offset {position} is trimmed (the topic starts at {bus.base[t]})")
@@ -61,6 +63,8 @@ class MemoryConsumer:
             records = self.bus.topics.get(topic, [])[start:]
             self.positions[topic] += len(records)
             out.extend(records)
+        if out and self.group_id is None and self.bus.trim:
+            self.bus.trim_read(self.topics)
         return out
 
     def _available(self) -> bool:
@@ -96,14 +100,19 @@ class MemoryBus:
         return self.base.get(topic, 0) + len(self.topics.get(topic, ()))
 
     def trim_read(self, topics: Iterable[str]) -> None:
-        """Drop the records of `topics` that every live group consumer of them committed past.
-        NOTE: only group consumers count; one without a group (reading from an offset of its
-        own) on a trimmed topic is refused at its start instead."""
+        """Drop the records of `topics` that every live consumer of them is past: a group's
+        consumer where its group committed, one without a group where it read to. NOTE: a
+        consumer that starts below what is left (an offset of its own) is refused at its start."""
         for topic in topics:
-            readers = [r for r in self.readers if r.group_id is not None and topic in r.positions]
+            readers = [r for r in self.readers if topic in r.positions]
             if not readers or topic not in self.topics:
                 continue
-            low = min(self.offsets.get(r.group_id, {}).get(topic, 0) for r in readers)  # type: ignore[arg-type]
+            low = min(
+                self.offsets.get(r.group_id, {}).get(topic, 0)
+                if r.group_id is not None
+                else r.positions[topic]
+                for r in readers
+            )
             base = self.base.get(topic, 0)
             if low > base:
                 del self.topics[topic][: low - base]

@@ -234,17 +234,19 @@ async def on_kafka(
     instances: list[str] | None = None,
     own_topics: tuple[str, ...] = (),
     local_topics: tuple[str, ...] = (),
+    local: Any = None,
 ) -> None:
     """Wait for the broker, create any missing topic (`own_topics`: unprefixed, beyond every
     deployment's), claim each of `instances` (default: `service`) on the topics, `run(bus)`
-    (heartbeating), close the bus. `local_topics` (full names): kept in memory (split.py)."""
+    (heartbeating), close the bus. `local_topics` (full names): kept in memory (split.py), in
+    `local` (a MemoryBus another bus of this process shares) if given."""
     from parkade.services.bus.instances import single_instance
     from parkade.services.bus.kafka import KafkaBus, wait_for_broker
     from parkade.services.bus.split import SplitBus
 
     await wait_for_broker(bootstrap_servers, timeout_s=wait_s)
     kafka = KafkaBus(bootstrap_servers, client_id=f"parkade-{service}", idempotence=idempotence)
-    bus = SplitBus(kafka, local_topics) if local_topics else kafka
+    bus = SplitBus(kafka, local_topics, local=local) if local_topics else kafka
     try:
         await bus.create_topics(
             topics.all_topic_names(prefix) + [topics.topic_name(t, prefix) for t in own_topics]

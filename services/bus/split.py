@@ -6,10 +6,16 @@ hops (a produce, its acknowledgement, a fetch that the broker answers when it ne
 memory a plan wakes the executor, and a result the scheduler, at once. Everything the other
 services read (tokenized, generated, instances, kv-events) stays on the broker.
 
+For a gateway that runs its tokenizer (`parkade gateway --with-tokenizer`): the gateway's reply
+topic, where the tokenizer writes a record per step for the gateway's streams. Each has a bus of
+its own (the gateway's producer has a thread of its own), sharing one `MemoryBus`. The tokenizer
+writes to every other client's reply topic on the broker, as before.
+
 NOTE: the in-memory topics live and die with the process, as the executor's KV pool does. A
 restarted replica starts both sides afresh: the scheduler recomputes its requests from the
-generated topic, as after the loss of any executor, so nothing in them needs to outlive it.
-Their records go once the reading group has committed past them (`MemoryBus(trim=True)`).
+generated topic, as after the loss of any executor, so nothing in them needs to outlive it; the
+streams a gateway's reply topic served died with their HTTP connections. Their records go once
+their readers are past them (`MemoryBus(trim=True)`).
 """
 
 from __future__ import annotations
@@ -73,11 +79,12 @@ class SplitConsumer:
 
 class SplitBus:
     """`remote` (the broker) for every topic but `local_topics` (full names), which live in
-    memory (see the module)."""
+    memory (see the module): in `local`, where services with buses of their own share it (a
+    gateway and its tokenizer), else in one of its own."""
 
-    def __init__(self, remote: Bus, local_topics: Iterable[str]) -> None:
+    def __init__(self, remote: Bus, local_topics: Iterable[str], *, local: MemoryBus | None = None) -> None:
         self.remote = remote
-        self.local = MemoryBus(trim=True)
+        self.local = local if local is not None else MemoryBus(trim=True)
         self.local_topics = frozenset(local_topics)
 
     def _split(self, topics: Iterable[str]) -> tuple[list[str], list[str]]:

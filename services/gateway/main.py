@@ -8,10 +8,12 @@ pipeline. Its only I/O edge (HTTP, Kafka, signals, environment).
     GET  /metrics    the gateway's own counters and histograms (Prometheus text)
 
 A Kafka client like any other: one `RequestClient` for all of its HTTP requests, with a reply
-topic of its own. A request's status comes from its first event, so a request the pipeline
-refuses is answered with a status (400 invalid, 429 overloaded, 503 unavailable, 500 failed)
-even when it asked for a stream; an error after the first token ends the stream with an error
-chunk. A client that disconnects aborts its request, which frees its KV blocks.
+topic of its own (in memory where the tokenizer runs in this process: `serve`'s `beside`, which
+`parkade gateway --with-tokenizer` gives it, see parkade/gateway.py). A request's status comes
+from its first event, so a request the pipeline refuses is answered with a status (400 invalid,
+429 overloaded, 503 unavailable, 500 failed) even when it asked for a stream; an error after the
+first token ends the stream with an error chunk. A client that disconnects aborts its request,
+which frees its KV blocks.
 
 `--api-key` (or $PARKADE_API_KEY) guards `/v1/*` with a bearer token, as vLLM's server does;
 `/health` and `/metrics` stay open.
@@ -19,6 +21,7 @@ chunk. A client that disconnects aborts its request, which frees its KV blocks.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -29,6 +32,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import anyio
@@ -43,9 +47,12 @@ from starlette.routing import Route
 
 from parkade.schemas import FinishReason, InstanceHeartbeat, ReplicaStatus, TokenEvent, topics
 from parkade.services import PIPELINE
+from parkade.services.bus import replies
 from parkade.services.bus.base import RecordRejected
 from parkade.services.bus.client import PipelineGoneError, RequestClient
 from parkade.services.bus.runtime import connection_settings_ok, service_parser
+from parkade.services.bus.serve import Service
+from parkade.services.bus.split import SplitBus
 from parkade.services.common import logs, tracing
 from parkade.services.common.flags import add_flags, dataclass_flags, flag_values
 from parkade.services.common.heap import freeze_startup_heap
@@ -319,6 +326,16 @@ class Gateway:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics or GatewayMetrics()
+        # Requests are checked and tokenized on a thread of their own: the tokenizers library
+        # lets go of the GIL while it encodes (most of an open: 0.23 of 0.29 ms for 256 tokens),
+        # and a burst of opens on the event loop held up the token events of the streams already
+        # open (64 at once stalled it for 107-118 ms). One thread: opens keep their order, and
+        # the tokenizer encodes on one thread only (the loop only decodes, for logprobs' texts:
+        # an encode may reset its truncation, which a concurrent encode would find borrowed).
+        self._opener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parkade-open")
+
+    def close(self) -> None:
+        self._opener.shutdown(wait=False, cancel_futures=True)
 
     def app(self) -> Starlette:
         return Starlette(
@@ -372,7 +389,11 @@ class Gateway:
     async def generate(self, request: Request, chat: bool) -> Response:
         arrival = time.monotonic()
         try:
-            opened = self.handler.open(chat, await read_body(request, self.max_body_bytes))
+            body = await read_body(request, self.max_body_bytes)
+            # On the opener's thread (see __init__); in arrival order.
+            opened = await asyncio.get_running_loop().run_in_executor(
+                self._opener, self.handler.open, chat, body
+            )
         except GatewayError as error:
             return error_response(error)
         except ClientDisconnect:
@@ -567,19 +588,29 @@ async def serve(
     idempotence: bool = False,
     ready: Callable[[str], None] | None = None,
     metrics: GatewayMetrics | None = None,
+    beside: tuple[str, Service] | None = None,
 ) -> None:
-    """Serve HTTP until `stop`; `ready(url)` once it listens (`parkade up` reads the line)."""
+    """Serve HTTP until `stop`; `ready(url)` once it listens (`parkade up` reads the line).
+    `beside`: (instance name, service) run in this process, that writes the events of this
+    gateway's requests to its reply topic in memory (`parkade gateway --with-tokenizer`)."""
     from parkade.services.bus.kafka import KafkaBus, wait_for_broker
 
     sock = listening_socket(options.host, options.http_port)  # first: a taken port fails at once
     await wait_for_broker(bootstrap_servers, timeout_s=broker_wait_s)
-    bus = KafkaBus(
+    kafka = KafkaBus(
         bootstrap_servers, client_id="parkade-gateway", idempotence=idempotence, producer_thread=True
     )
-    client = RequestClient(bus, prefix, bootstrap_servers=bootstrap_servers)
+    reply_topic = replies.new_reply_topic(prefix)
+    bus = SplitBus(kafka, [reply_topic]) if beside is not None else kafka
+    client = RequestClient(bus, prefix, bootstrap_servers=bootstrap_servers, reply_topic=reply_topic)
+    alongside = (
+        _Beside(beside, bus, bootstrap_servers, prefix, broker_wait_s, idempotence) if beside else None
+    )
     try:
         await bus.create_topics(topics.all_topic_names(prefix))
         await client.start()
+        if alongside is not None:
+            await alongside.start()
         health = Health(client)
         follow = asyncio.create_task(health.follow())
         gateway = Gateway(
@@ -593,27 +624,112 @@ async def serve(
         while not server.started and not serving.done():
             await asyncio.sleep(0.01)
         if server.started:
-            host, port = sock.getsockname()[:2]
-            shown = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
-            url = f"http://{shown}:{port}/v1"
-            log.info("ready: %s", url)
-            if ready is not None:
-                ready(url)
-            else:  # the protocol line `parkade up` waits for (stdout; the logs go to stderr)
-                sys.stdout.write(f"READY gateway {url}\n")
-                sys.stdout.flush()
-            await asyncio.wait(
-                {serving, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
-            )
+            _announce(sock, ready)
+            await _until_stopped(serving, stop, alongside)
         server.should_exit = True
         await serving
         follow.cancel()
+        gateway.close()
     finally:
         await client.stop()
         sock.close()
+        # NOTE: last: the streams let finish, and the aborts of those cut, needed it.
+        if alongside is not None:
+            await alongside.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+async def _until_stopped(serving: asyncio.Task[None], stop: asyncio.Event, alongside: _Beside | None) -> None:
+    """Until `stop`, or the HTTP server ends, or the service beside does (its error then)."""
+    stopped = asyncio.ensure_future(stop.wait())
+    also = {alongside.task} if alongside is not None and alongside.task is not None else set()
+    await asyncio.wait({serving, stopped, *also}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+
+
+def _announce(sock: socket.socket, ready: Callable[[str], None] | None) -> None:
+    host, port = sock.getsockname()[:2]
+    shown = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
+    url = f"http://{shown}:{port}/v1"
+    log.info("ready: %s", url)
+    if ready is not None:
+        ready(url)
+    else:  # the protocol line `parkade up` waits for (stdout; the logs go to stderr)
+        sys.stdout.write(f"READY gateway {url}\n")
+        sys.stdout.flush()
+
+
+class _Beside:
+    """The service that runs beside the gateway (see `serve`), as it runs alone (`parkade
+    tokenizer`: its own bus, consumer group and instance claim), but writing to the gateway's
+    reply topic in the gateway's memory."""
+
+    def __init__(
+        self,
+        beside: tuple[str, Service],
+        gateway_bus: SplitBus,
+        bootstrap_servers: str,
+        prefix: str,
+        wait_s: float,
+        idempotence: bool,
+    ) -> None:
+        self.name, self.service = beside
+        self.gateway_bus = gateway_bus
+        self.bootstrap_servers, self.prefix = bootstrap_servers, prefix
+        self.wait_s, self.idempotence = wait_s, idempotence
+        self.stopping = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Until it consumes; its error if it fails first (another instance serves, ...)."""
+        ready = asyncio.Event()
+        self.task = asyncio.create_task(self._serve(ready))
+        started = asyncio.ensure_future(ready.wait())
+        await asyncio.wait({self.task, started}, return_when=asyncio.FIRST_COMPLETED)
+        started.cancel()
+        if self.task.done():
+            self.task.result()
+            raise RuntimeError(f"the {self.name} stopped before it served")
+
+    async def stop(self) -> None:
+        """Let it finish its batch and stop; its error, if it failed, is raised (the process's)."""
+        self.stopping.set()
+        if self.task is not None:
+            await self.task
+
+    async def _serve(self, ready: asyncio.Event) -> None:
+        from parkade.services.bus.runtime import on_kafka
+        from parkade.services.bus.serve import serve_together
+
+        service, prefix = self.service, self.prefix
+        await on_kafka(
+            self.bootstrap_servers,
+            prefix,
+            self.name,
+            lambda bus: serve_together(bus, [service], prefix=prefix, stop=self.stopping, ready=ready.set),
+            wait_s=self.wait_s,
+            idempotence=self.idempotence,
+            instances=[service.instance_name or self.name],
+            own_topics=tuple(service.own_topics()),
+            local_topics=tuple(self.gateway_bus.local_topics),
+            local=self.gateway_bus.local,
+        )
+
+
+def _metrics(args: argparse.Namespace, beside: Service | None) -> GatewayMetrics | None:
+    """The gateway's metrics, and the service beside's with them: at /metrics, and at
+    --metrics-port when given, as every service's; None after saying why that port cannot serve."""
+    from parkade.services.bus.runtime import merged, serve_metrics
+
+    metrics = GatewayMetrics()
+    if beside is not None:
+        metrics.registry = merged([metrics.registry, beside.enable_metrics().registry])
+    if args.metrics_port is not None and not serve_metrics("gateway", args, metrics.registry):
+        return None
+    return metrics
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line: the bus options, the gateway's flags and --api-key."""
     parser = service_parser("gateway", __doc__)
     add_flags(parser, FLAGS)
     parser.add_argument(
@@ -621,7 +737,21 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("PARKADE_API_KEY"),
         help="bearer token that /v1/* requires (default: $PARKADE_API_KEY; unset: none)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    command = parser()
+    return run(command, command.parse_args(argv))
+
+
+def run(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    beside: Callable[[GatewayOptions], tuple[str, Service]] | None = None,
+) -> int:
+    """Serve until a signal; -> the exit code. `beside(options)`: the service to run in this
+    process (see `serve`), built once the settings are checked (ValueError: it cannot work)."""
     if not args.bootstrap_servers:
         parser.error("no broker: pass --bootstrap-servers or set KAFKA_BOOTSTRAP_SERVERS")
     options = GatewayOptions(**flag_values(FLAGS, args))
@@ -631,15 +761,17 @@ def main(argv: list[str] | None = None) -> int:
     tracing.configure("gateway", os.environ)
     try:
         handler = GatewayHandler.from_options(options)
+        service = beside(options) if beside is not None else None
     except ValueError as error:
         print(f"parkade gateway: {error}", file=sys.stderr)
         return 2
 
-    from parkade.services.bus.kafka import BrokerUnreachableError
-    from parkade.services.bus.runtime import run_until_signalled, serve_metrics
+    from parkade.services.bus.instances import DuplicateInstanceError
+    from parkade.services.bus.kafka import BrokerUnreachableError, TopicLayoutError
+    from parkade.services.bus.runtime import run_until_signalled
 
-    metrics = GatewayMetrics()  # at /metrics; also at --metrics-port when given, as every service's
-    if args.metrics_port is not None and not serve_metrics("gateway", args, metrics.registry):
+    metrics = _metrics(args, service[1] if service is not None else None)
+    if metrics is None:
         return 1
 
     async def serve_until(stop: asyncio.Event) -> None:
@@ -653,19 +785,34 @@ def main(argv: list[str] | None = None) -> int:
             broker_wait_s=args.broker_wait,
             idempotence=args.idempotence,
             metrics=metrics,
+            beside=service,
         )
 
     try:
         return run_until_signalled(serve_until)
-    except BrokerUnreachableError as error:
+    except (BrokerUnreachableError, TopicLayoutError, DuplicateInstanceError, OSError) as error:
+        return _failed(args, options, error)
+    finally:
+        tracing.shutdown()  # what is buffered goes out
+
+
+def _failed(args: argparse.Namespace, options: GatewayOptions, error: Exception) -> int:
+    """Why the gateway could not serve, in one line; -> the exit code."""
+    from parkade.services.bus.instances import DuplicateInstanceError
+    from parkade.services.bus.kafka import BrokerUnreachableError, TopicLayoutError
+    from parkade.services.bus.runtime import EXIT_DUPLICATE
+
+    if isinstance(error, BrokerUnreachableError):
         print(
             f"parkade gateway: cannot reach the broker at {args.bootstrap_servers}: {error}", file=sys.stderr
         )
         return 1
-    except OSError as error:  # the address is taken, or not ours
-        print(
-            f"parkade gateway: cannot listen on {options.host}:{options.http_port}: {error}", file=sys.stderr
-        )
-        return 1
-    finally:
-        tracing.shutdown()  # what is buffered goes out
+    if isinstance(error, TopicLayoutError):
+        print(f"parkade gateway: {error}", file=sys.stderr)
+        return 2
+    if isinstance(error, DuplicateInstanceError):  # another instance of the service beside serves
+        print(f"parkade gateway: refusing to start: {error}", file=sys.stderr)
+        return EXIT_DUPLICATE
+    # the address is taken, or not ours
+    print(f"parkade gateway: cannot listen on {options.host}:{options.http_port}: {error}", file=sys.stderr)
+    return 1

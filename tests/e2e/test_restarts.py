@@ -1,9 +1,11 @@
 """Services killed with SIGKILL mid-generation under `parkade up` (which restarts them): every
 stream completes with the in-process engine's tokens and text, each index once and in order.
 
-One stack, one round per fault: the scheduler, the tokenizer, the executor, the scheduler twice
-in a row, the scheduler and the tokenizer at once. Each round runs 8 concurrent streams (half
-greedy, half seeded sampling) and kills once every stream has 30 tokens.
+One stack of single services, one round per fault: the scheduler, the tokenizer, the executor,
+the scheduler twice in a row, the scheduler and the tokenizer at once. And `parkade up`'s own
+layout (the tokenizer in the gateway's process, a replica in one): the gateway, then the gateway
+and the replica at once. Each round runs 8 concurrent streams of a Kafka client (half greedy,
+half seeded sampling) and kills once every stream has 30 tokens.
 """
 
 from __future__ import annotations
@@ -79,16 +81,20 @@ async def _round(up: Up, client: Client, kills: list[str]) -> list[list]:
     return events
 
 
-def test_killed_services_resume_every_stream_exactly(tmp_path):
+def _expected() -> list:
     llm = LLM(dtype="float32")
-    expected = [o.outputs[0] for o in llm.generate(PROMPTS, [_params(i) for i in range(len(PROMPTS))])]
-    up = Up(tmp_path / "home", "--dtype", "float32", "--split-replicas")  # each service on its own
+    return [o.outputs[0] for o in llm.generate(PROMPTS, [_params(i) for i in range(len(PROMPTS))])]
+
+
+def _check_rounds(up: Up, rounds: list[list[str]], restarts: dict[str, int]) -> None:
+    """Each round's streams end as the in-process engine's; `restarts`: each child's count."""
+    expected = _expected()
     try:
         state = up.wait_ready()
 
         async def main():
             async with Client(state["bootstrap_servers"]) as client:
-                for kills in ROUNDS:
+                for kills in rounds:
                     events = await _round(up, client, kills)
                     for i, (got, want) in enumerate(zip(events, expected, strict=True)):
                         where = f"round {kills}, stream {i}"
@@ -102,11 +108,23 @@ def test_killed_services_resume_every_stream_exactly(tmp_path):
 
         asyncio.run(main())
         log = up.log_path.read_text()
-        for name, times in (("scheduler", 4), ("tokenizer", 2), ("executor", 1)):
-            assert f"restarting the {name}" in log and log.count(f"restarting the {name}") == times, log
+        for name, times in restarts.items():
+            assert log.count(f"restarting the {name}") == times, log
     except AssertionError:
         print(up.output())
         raise
     finally:
         code = up.stop()
     assert code == 0, up.output()
+
+
+def test_killed_services_resume_every_stream_exactly(tmp_path):
+    # Each service on its own.
+    up = Up(tmp_path / "home", "--dtype", "float32", "--split-replicas", "--split-tokenizer")
+    _check_rounds(up, ROUNDS, {"scheduler": 4, "tokenizer": 2, "executor": 1})
+
+
+def test_a_killed_gateway_with_its_tokenizer_resumes_every_stream_exactly(tmp_path):
+    """The tokenizer in the gateway's process: killed with it, it resumes from its commits."""
+    up = Up(tmp_path / "home", "--dtype", "float32")
+    _check_rounds(up, [["gateway"], ["gateway", "replica"]], {"gateway": 2, "replica": 1})

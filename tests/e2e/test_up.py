@@ -29,7 +29,7 @@ def _run_and_stop(up: Up, prompt: str, *args: str) -> subprocess.CompletedProces
     finally:
         code = up.stop()
     assert code == 0, f"parkade up exit code {code}:\n{up.output()}"
-    assert set(state["pids"]) == {"broker", "tokenizer", "replica", "gateway"}
+    assert set(state["pids"]) == {"broker", "replica", "gateway"}  # the tokenizer in the gateway's
     left = [name for name, pid in state["pids"].items() if running(pid)]
     assert not left, f"still running after parkade up exited: {left}"
     assert not (up.home / "up.json").exists()
@@ -68,7 +68,7 @@ def _autogroup_nice(pid: int) -> int | None:
 def test_up_serves_the_shipped_model_and_hands_each_service_its_flags(tmp_path):
     flags = ["--block-size", "8", "--max-model-len", "256", "--max-num-seqs", "8"]
     flags += ["--scheduling-policy", "priority", "--no-enable-prefix-caching", "--max-in-flight", "2"]
-    up = Up(tmp_path, *flags, "--pipeline-nice", "5")
+    up = Up(tmp_path, *flags, "--router", "round-robin", "--pipeline-nice", "5")
     try:
         state = up.wait_ready()
         commands = {name: _cmdline(pid) for name, pid in state["pids"].items() if name != "broker"}
@@ -88,12 +88,15 @@ def test_up_serves_the_shipped_model_and_hands_each_service_its_flags(tmp_path):
     assert "-m parkade.cli replica " in replica and "--replica 0" in replica
     assert "--block-size 8 --max-model-len 256" in replica and "--max-num-seqs 8" in replica
     assert "--scheduling-policy priority" in replica and "--no-enable-prefix-caching" in replica
-    assert "--max-in-flight 2" in replica and "--max-num-seqs" not in " ".join(commands["tokenizer"])
-    assert "--model" not in " ".join(commands["tokenizer"])  # the default: nothing to pass
+    # The gateway runs the tokenizer (the one tokenizer), with the tokenizer's flags.
+    gateway = " ".join(commands["gateway"])
+    assert "-m parkade.cli gateway " in gateway and "--with-tokenizer --router round-robin" in gateway
+    assert "--max-in-flight 2" in replica and "--max-num-seqs" not in gateway
+    assert "--model" not in gateway  # the default: nothing to pass
     # --pipeline-nice: every child but the replica (the executor) below it, in its session's group too.
-    assert nice == {"broker": 5, "tokenizer": 5, "replica": 0, "gateway": 5}, nice
+    assert nice == {"broker": 5, "replica": 0, "gateway": 5}, nice
     if groups["replica"] is not None:  # a kernel with autogroup
-        assert groups == {"broker": 5, "tokenizer": 5, "replica": 0, "gateway": 5}, groups
+        assert groups == {"broker": 5, "replica": 0, "gateway": 5}, groups
     assert result.returncode == 0, f"{result.stderr}\n{up.output()}"
     # The trained stories260K, greedy: the story its authors document.
     assert result.stdout.startswith("Once upon a time, there was a little girl named Lily"), result.stdout
@@ -160,7 +163,7 @@ def test_a_second_stack_on_the_same_broker_is_refused_and_a_rebalance_heals(tmp_
         assert code != 0, second.output()
         logs = [
             (second.home / "logs" / "latest" / f"{name}.log").read_text()
-            for name in ("tokenizer", "replica")
+            for name in ("gateway", "replica")  # the gateway's tokenizer claims its instance
             if (second.home / "logs" / "latest" / f"{name}.log").exists()
         ]
         # Every service that reached the broker refused to start; `parkade up` stops at the first
@@ -219,10 +222,10 @@ def test_a_second_stack_on_the_same_broker_is_refused_and_a_rebalance_heals(tmp_
 # What each process's endpoint must show after one completion: a family of its own that counted
 # the work, and one that every service of its kind exports.
 METRICS = {
-    "tokenizer": ("parkade:tokenizer_requests", "parkade:consumer_lag"),
     # The scheduler's and the executor's, at one endpoint.
     "replica": ("parkade:e2e_request_latency_seconds", "parkade:steps", "parkade:kv_cache_usage_perc"),
-    "gateway": ("parkade:gateway_requests", "parkade:gateway_requests_running"),
+    # The gateway's and its tokenizer's.
+    "gateway": ("parkade:gateway_requests", "parkade:tokenizer_requests", "parkade:consumer_lag"),
 }
 
 
@@ -256,7 +259,7 @@ def test_every_service_metrics_and_the_api_key_under_up(tmp_path):
     finally:
         code = up.stop()
     assert code == 0, up.output()
-    assert list(scraped) == ["tokenizer", "replica", "gateway"]
+    assert list(scraped) == ["replica", "gateway"]
     banner = up.log_path.read_text()
     assert "Metrics (Prometheus): " + ", ".join(f"{n} {u}" for n, u in state["metrics"].items()) in banner
     for name, families in scraped.items():
@@ -272,7 +275,7 @@ def test_every_service_metrics_and_the_api_key_under_up(tmp_path):
     stopping, stopped = banner.index("parkade up: stopping"), banner.index("parkade up: stopped")
     assert stopping < stopped and "the embedded broker held" in banner[stopped:]
     # Each service's log: a clean start and stop have no warning, and the stop is in it.
-    for name in ("tokenizer", "replica", "gateway"):
+    for name in ("replica", "gateway"):
         lines = (tmp_path / "logs" / "latest" / f"{name}.log").read_text().splitlines()
         events = [json.loads(line) for line in lines if line.startswith("{")]
         assert [e for e in events if e["level"] not in ("info", "debug")] == [], name

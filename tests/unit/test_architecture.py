@@ -13,7 +13,10 @@ from parkade.services import SERVICES
 ROOT = Path(__file__).resolve().parents[2]
 CODE = {"services": "parkade.services", "schemas": "parkade.schemas", "kernels": "parkade.kernels"}
 # What the user-facing package holds; the services, schemas and kernels never import it.
-FRONT = ("parkade.engine", "parkade.cli", "parkade.up", "parkade.replica", "parkade.client", "parkade.home")
+FRONT = (
+    "parkade.engine", "parkade.cli", "parkade.up", "parkade.replica", "parkade.gateway", "parkade.client",
+    "parkade.home",
+)  # fmt: skip
 IO_MODULES = ("aiokafka", "signal", "parkade.services.bus.kafka", "parkade.services.bus.runtime")
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from parkade.client import Client
 from parkade.schemas import TokenEvent, TokenEventBatch, TokenLogprobs, topics
 from parkade.services.bus import MemoryBus, replies
@@ -27,6 +29,17 @@ def test_names_that_are_reply_topics():
     assert not replies.is_reply_topic("t.tokens", PREFIX)  # the shared topic
     assert not replies.is_reply_topic(name, "u.") and not replies.is_reply_topic(name + "0", PREFIX)
     assert not replies.is_reply_topic("t.tokensX0123456789ab", PREFIX)
+
+
+def test_a_client_takes_a_reply_topic_named_for_it_only_if_it_is_one():
+    name = replies.new_reply_topic(PREFIX)
+    bus = MemoryBus()
+    assert client_module.RequestClient(bus, PREFIX, reply_topic=name).reply_topic == name
+    for wrong in ("t.tokens", replies.new_reply_topic("u."), "t.requests"):
+        with pytest.raises(ValueError, match="is not a reply topic"):
+            client_module.RequestClient(bus, PREFIX, reply_topic=wrong)
+    with pytest.raises(ValueError, match="is not a reply topic"):  # it reads the shared topic then
+        client_module.RequestClient(bus, PREFIX, reply_topic=name, own_reply_topic=False)
 
 
 def test_a_clients_reply_topic_is_deleted_when_it_stops():

@@ -148,6 +148,51 @@ def test_a_trimming_bus_keeps_what_any_live_group_has_not_committed():
     asyncio.run(main())
 
 
+def test_a_reader_without_a_group_trims_what_it_took_unless_another_reader_still_needs_it():
+    async def main():
+        bus = MemoryBus(trim=True)
+        stream = await bus.consumer(["reply"], None, from_end=True)  # a gateway's reply topic
+        for i in range(5):
+            await bus.send("reply", b"%d" % i)
+        assert [r.offset for r in await stream.getmany()] == [0, 1, 2, 3, 4]
+        assert bus.base["reply"] == 5 and bus.topics["reply"] == []
+        group = await bus.consumer(["reply"], "g")  # from its commit: none, so from what is left
+        await bus.send("reply", b"5")
+        assert [r.offset for r in await stream.getmany()] == [5]
+        assert [r.offset for r in bus.topics["reply"]] == [5]  # the group has not committed it
+        assert [r.offset for r in await group.getmany()] == [5]
+        await group.commit({"reply": 6})
+        assert bus.topics["reply"] == []
+        await bus.send("reply", b"6")
+        await group.commit({"reply": 7})
+        assert [r.offset for r in bus.topics["reply"]] == [6]  # the stream has not taken it
+        assert [r.value for r in await stream.getmany()] == [b"6"]
+        assert bus.topics["reply"] == []
+
+    asyncio.run(main())
+
+
+def test_buses_of_one_process_share_their_local_topics():
+    """A gateway and its tokenizer: each its own bus (and broker connection), one reply topic in
+    memory between them; every other topic, another client's reply topic too, on the broker."""
+
+    async def main():
+        broker = MemoryBus()
+        reply, other = f"{PREFIX}tokens.0123456789ab", f"{PREFIX}tokens.ba9876543210"
+        gateway = SplitBus(broker, [reply])
+        tokenizer = SplitBus(broker, [reply], local=gateway.local)
+        assert tokenizer.local is gateway.local
+        stream = await gateway.consumer([reply], None, from_end=True)
+        await tokenizer.create_topics([reply])
+        await tokenizer.send(reply, b"events")
+        await tokenizer.send(other, b"theirs")
+        assert [r.value for r in await stream.getmany(timeout_ms=1000)] == [b"events"]
+        assert set(broker.topics) == {other}
+        assert gateway.local.topics[reply] == []  # taken by its one reader: gone
+
+    asyncio.run(main())
+
+
 def test_services_claimed_together_refuse_a_second_instance_of_either():
     from parkade.services.bus.instances import DuplicateInstanceError, single_instance
 

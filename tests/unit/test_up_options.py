@@ -100,13 +100,17 @@ def test_a_metrics_port_range_in_use_is_refused_before_anything_starts():
         taken.listen()
         port = taken.getsockname()[1]
         # 1 tokenizer + 2 split replicas (a scheduler and an executor each) + the gateway: 6 ports
-        split = ["up", "--replicas", "2", "--split-replicas", "--metrics-port", str(port - 5)]
-        problem = up.check(build_parser().parse_args(split))
-        # 1 tokenizer + 2 replicas of one process each + the gateway: 4 ports
-        one = up.check(build_parser().parse_args(["up", "--replicas", "2", "--metrics-port", str(port - 3)]))
+        split = ["up", "--replicas", "2", "--split-replicas", "--split-tokenizer", "--metrics-port"]
+        problem = up.check(build_parser().parse_args([*split, str(port - 5)]))
+        # 2 replicas of one process each + the gateway with the tokenizer: 3 ports
+        one = up.check(build_parser().parse_args(["up", "--replicas", "2", "--metrics-port", str(port - 2)]))
+        # 2 tokenizers (always apart) + 1 replica + the gateway: 4 ports
+        two = ["up", "--tokenizers", "2", "--metrics-port", str(port - 3)]
+        tokenizers = up.check(build_parser().parse_args(two))
     assert problem is not None and problem.startswith(f"metrics port {port} is in use")
     assert f"--metrics-port {port - 5} takes 6 ports" in problem
-    assert one is not None and f"--metrics-port {port - 3} takes 4 ports" in one
+    assert one is not None and f"--metrics-port {port - 2} takes 3 ports" in one
+    assert tokenizers is not None and f"--metrics-port {port - 3} takes 4 ports" in tokenizers
 
 
 def test_each_run_has_its_own_log_folder_and_the_oldest_are_removed(tmp_path, monkeypatch):
@@ -210,8 +214,8 @@ def test_a_clock_set_back_never_removes_this_runs_logs(tmp_path, monkeypatch):
 
 def test_metrics_ports_that_cannot_work_are_refused_before_anything_starts(monkeypatch):
     parse = build_parser().parse_args
-    problem = up.check(parse(["up", "--metrics-port", "9100", "--http-port", "9102"]))
-    assert problem == "--metrics-port 9100 takes 3 ports, --http-port 9102 among them"
+    problem = up.check(parse(["up", "--metrics-port", "9100", "--http-port", "9101"]))
+    assert problem == "--metrics-port 9100 takes 2 ports, --http-port 9101 among them"
     monkeypatch.setenv("PARKADE_METRICS_PORT", "nine")
     args = parse(["up"])  # (the parser still builds: every command works)
     assert up.check(args) == "PARKADE_METRICS_PORT='nine' is not a port number"
