@@ -5,15 +5,18 @@
 
 With --with-tokenizer the tokenizer runs as `parkade tokenizer` runs it (its consumer group,
 instance claim and metrics, on the gateway's model and tokenizer), beside the gateway on one
-event loop, and writes the token events of the gateway's own requests to the gateway's reply
-topic in this process's memory: each step's events for its streams reach them without a broker
-hop, and the broker and the gateway no longer fetch and serve them. Requests still go through
-the requests topic, and every other client's events through the broker, so that the replicas and
-Kafka clients see no difference. It is the pipeline's one tokenizer: tokenizers sharing the topics
-by request id (`--tokenizers N`) run apart.
+event loop. The gateway's own requests (and aborts) go to a requests topic of its own and their
+token events to its reply topic, both in this process's memory: a request reaches the tokenizer,
+and each step's events their streams, without a broker hop, and the broker no longer stores,
+fetches and serves them. The tokenizer reads the requests topic on the broker too, and writes
+every other client's events there, so that the replicas and Kafka clients see no difference. It
+is the pipeline's one tokenizer: tokenizers sharing the topics by request id (`--tokenizers N`)
+run apart.
 
 `parkade up` runs the gateway this way unless --split-tokenizer or --tokenizers N > 1. A restart of
-this process restarts both; the tokenizer resumes from its committed offsets, as alone.
+this process restarts both: the HTTP streams ended with their connections, and their requests
+with the memory they were in (their replicas' events find no request: the tokenizer stops them,
+as any orphan); the tokenizer resumes the broker's requests from its committed offsets, as alone.
 """
 
 from __future__ import annotations

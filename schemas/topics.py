@@ -77,6 +77,7 @@ REPLY_TOPIC = "reply-topic"
 # keyed by the topic's name (one partition: the order holds across batches and single events).
 # Without a reply topic it means nothing: readers of the shared topic read TokenEvents only.
 REPLY_BATCHES = "reply-batches"
+_GATEWAY = re.compile(r"gateway-[0-9a-f]{12}")  # (a reply topic's suffix: see services/bus/replies.py)
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 JSON = b"application/json"
 MSGPACK = b"application/msgpack"
@@ -93,6 +94,19 @@ def replica_topic(topic: str, replica: str = DEFAULT_REPLICA) -> str:
     """A replica's own topic (unprefixed): `topic` for replica "0", else `replica-R.topic`."""
     assert topic in REPLICA_TOPICS, topic
     return topic if replica == DEFAULT_REPLICA else f"replica-{replica}.{topic}"
+
+
+def gateway_requests(gateway: str) -> str:
+    """A gateway's own requests topic (unprefixed), which the tokenizer in its process reads from
+    its memory beside the requests topic (`parkade gateway --with-tokenizer`): `gateway-G.requests`."""
+    return f"gateway-{gateway}.{REQUESTS}"
+
+
+def is_gateway_requests(name: str) -> bool:
+    """Whether a topic name (prefixed or not) is a gateway's own requests topic: in memory, so a
+    restart reads nothing of it again."""
+    parts = name.rsplit(".", 2)
+    return len(parts) >= 2 and parts[-1] == REQUESTS and _GATEWAY.fullmatch(parts[-2]) is not None
 
 
 def base_topic(topic: str) -> str:

@@ -38,10 +38,12 @@ async def running_pipeline(
     options: SchedulingOptions | None = None,
     scheduler_kwargs: dict | None = None,
     metrics: bool = False,
+    serve_tokenizer: bool = True,
     **executor_kwargs,
 ) -> AsyncIterator[Pipeline]:
     """The three services, built as their mains build them, serving on `bus` (`metrics`:
-    measuring, as with --metrics-port)."""
+    measuring, as with --metrics-port; `serve_tokenizer=False`: the tokenizer is built but served
+    by the caller, as a gateway with the tokenizer in its process does)."""
     executor_kwargs.setdefault("dtype", "float32")
     pipeline = Pipeline(
         # A simulated executor's model sets the tokenizer's length limit too.
@@ -55,10 +57,11 @@ async def running_pipeline(
         for service in pipeline.services:
             service.enable_metrics()
     stop = asyncio.Event()
-    ready = [asyncio.Event() for _ in range(3)]
+    served = pipeline.services if serve_tokenizer else pipeline.services[1:]
+    ready = [asyncio.Event() for _ in served]
     tasks = [
         asyncio.create_task(serve(bus, service, prefix=prefix, stop=stop, ready=event.set))
-        for service, event in zip(pipeline.services, ready, strict=True)
+        for service, event in zip(served, ready, strict=True)
     ]
     body = asyncio.current_task()
 

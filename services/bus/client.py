@@ -88,16 +88,19 @@ class RequestClient:
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         own_reply_topic: bool = True,
         reply_topic: str | None = None,
+        requests_topic: str = topics.REQUESTS,
         heartbeat_s: float = replies.HEARTBEAT_S,
         reap_grace_s: float = replies.REAP_GRACE_S,
     ) -> None:
         """Talk to the pipeline over `bus` (`bootstrap_servers` only names it in errors).
-        `reply_topic`: its name (default: a new one), where the caller needs it first (a gateway
-        keeps it in memory, see split.py). `heartbeat_s`, `reap_grace_s`: for the reply topic
-        (see replies.py)."""
+        `reply_topic`: its name (default: a new one), where the caller needs it first; and
+        `requests_topic` (unprefixed), where its requests and aborts go: a gateway with the
+        tokenizer in its process keeps both in memory (see split.py). `heartbeat_s`,
+        `reap_grace_s`: for the reply topic (see replies.py)."""
         self.bus = bus
         self.bootstrap_servers = bootstrap_servers
         self.prefix = topic_prefix or topics.DEFAULT_PREFIX
+        self.requests_topic = requests_topic
         self.idle_timeout_s = idle_timeout_s
         self._streams: dict[str, _Stream] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -214,7 +217,7 @@ class RequestClient:
         loop = asyncio.get_running_loop()
         recent = self._last_cancel is not None and loop.time() - self._last_cancel < LATE_EVENTS_S
         if unsettled and self._reader is not None and not self._reader.done():
-            aborts = [Outgoing(topics.REQUESTS, AbortRequest(request_id=i), i) for i in unsettled]
+            aborts = [Outgoing(self.requests_topic, AbortRequest(request_id=i), i) for i in unsettled]
             try:
                 await asyncio.wait_for(send_all(self.bus, aborts, self.prefix), PROBE_S)
             except Exception as error:
@@ -298,7 +301,7 @@ class RequestClient:
             headers += ((topics.REPLY_TOPIC, self.reply_topic.encode()), (topics.REPLY_BATCHES, b"1"))
         try:
             await send_all(
-                self.bus, [Outgoing(topics.REQUESTS, request, request.request_id, headers)], self.prefix
+                self.bus, [Outgoing(self.requests_topic, request, request.request_id, headers)], self.prefix
             )
         except RecordRejected:  # too large for the broker: the caller's to fix
             self._streams.pop(request.request_id, None)
@@ -386,7 +389,7 @@ class RequestClient:
         way out, a broker that is gone has nothing to abort."""
         self._last_cancel = asyncio.get_running_loop().time()
         try:
-            abort = Outgoing(topics.REQUESTS, AbortRequest(request_id=request_id), request_id)
+            abort = Outgoing(self.requests_topic, AbortRequest(request_id=request_id), request_id)
             # Bounded: a producer retries a lost broker for its whole request timeout (40 s).
             await asyncio.wait_for(send_all(self.bus, [abort], self.prefix), PROBE_S)
         except Exception as error:

@@ -6,10 +6,11 @@ hops (a produce, its acknowledgement, a fetch that the broker answers when it ne
 memory a plan wakes the executor, and a result the scheduler, at once. Everything the other
 services read (tokenized, generated, instances, kv-events) stays on the broker.
 
-For a gateway that runs its tokenizer (`parkade gateway --with-tokenizer`): the gateway's reply
-topic, where the tokenizer writes a record per step for the gateway's streams. Each has a bus of
-its own (the gateway's producer has a thread of its own), sharing one `MemoryBus`. The tokenizer
-writes to every other client's reply topic on the broker, as before.
+For a gateway that runs its tokenizer (`parkade gateway --with-tokenizer`): the gateway's own
+requests topic, which the tokenizer reads beside the broker's, and its reply topic, where the
+tokenizer writes a record per step for the gateway's streams. Each has a bus of its own (the
+gateway's producer has a thread of its own), sharing one `MemoryBus`. Every other client's
+requests and reply topics stay on the broker.
 
 NOTE: the in-memory topics live and die with the process, as the executor's KV pool does. A
 restarted replica starts both sides afresh: the scheduler recomputes its requests from the

@@ -48,7 +48,7 @@ from starlette.routing import Route
 from parkade.schemas import FinishReason, InstanceHeartbeat, ReplicaStatus, TokenEvent, topics
 from parkade.services import PIPELINE
 from parkade.services.bus import replies
-from parkade.services.bus.base import RecordRejected
+from parkade.services.bus.base import Bus, RecordRejected
 from parkade.services.bus.client import PipelineGoneError, RequestClient
 from parkade.services.bus.runtime import connection_settings_ok, service_parser
 from parkade.services.bus.serve import Service
@@ -600,9 +600,7 @@ async def serve(
     kafka = KafkaBus(
         bootstrap_servers, client_id="parkade-gateway", idempotence=idempotence, producer_thread=True
     )
-    reply_topic = replies.new_reply_topic(prefix)
-    bus = SplitBus(kafka, [reply_topic]) if beside is not None else kafka
-    client = RequestClient(bus, prefix, bootstrap_servers=bootstrap_servers, reply_topic=reply_topic)
+    bus, client = _client(kafka, prefix, bootstrap_servers, beside)
     alongside = (
         _Beside(beside, bus, bootstrap_servers, prefix, broker_wait_s, idempotence) if beside else None
     )
@@ -636,6 +634,29 @@ async def serve(
         # NOTE: last: the streams let finish, and the aborts of those cut, needed it.
         if alongside is not None:
             await alongside.stop()
+
+
+def _client(
+    kafka: Bus, prefix: str, bootstrap_servers: str, beside: tuple[str, Service] | None
+) -> tuple[Bus, RequestClient]:
+    """The gateway's bus and client. Beside a tokenizer, its requests (a requests topic of its
+    own, which the tokenizer reads too) and their events (its reply topic) stay in memory."""
+    reply_topic = replies.new_reply_topic(prefix)
+    if beside is None:
+        return kafka, RequestClient(
+            kafka, prefix, bootstrap_servers=bootstrap_servers, reply_topic=reply_topic
+        )
+    requests_topic = topics.gateway_requests(reply_topic.rsplit(".", 1)[1])
+    bus = SplitBus(kafka, [reply_topic, topics.topic_name(requests_topic, prefix)])
+    client = RequestClient(
+        bus,
+        prefix,
+        bootstrap_servers=bootstrap_servers,
+        reply_topic=reply_topic,
+        requests_topic=requests_topic,
+    )
+    beside[1].consumes = (*beside[1].consumes, requests_topic)
+    return bus, client
 
 
 async def _until_stopped(serving: asyncio.Task[None], stop: asyncio.Event, alongside: _Beside | None) -> None:

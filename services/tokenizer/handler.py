@@ -440,7 +440,13 @@ class TokenizerHandler(ReplicaRouting, Service):
         """What a restart must read again (see the module): the open streams' request records,
         and the generated topic from below their first events."""
         out = {}
-        sources = [o.source[2] for o in self.streams.values() if o.source is not None]
+        # NOTE: a gateway's own requests (in its memory, see topics.gateway_requests) die with
+        # the process: nothing of theirs is read again, nor holds the requests topic's commit.
+        sources = [
+            o.source[2]
+            for o in self.streams.values()
+            if o.source is not None and not topics.is_gateway_requests(o.source[0])
+        ]
         if sources:
             out[topics.REQUESTS] = min(sources)
         starts = [

@@ -129,8 +129,11 @@ class TokenizerService(TokenizerHandler):
 
     def low_watermarks(self) -> dict[str, int]:
         out = super().low_watermarks()
-        if self.aside:  # (the records behind one come after it)
-            oldest = min(a.record.offset for a in self.aside.values())
+        aside = [
+            a.record.offset for a in self.aside.values() if not topics.is_gateway_requests(a.record.topic)
+        ]
+        if aside:  # (the records behind one come after it)
+            oldest = min(aside)
             out[topics.REQUESTS] = min(out.get(topics.REQUESTS, oldest), oldest)
         starts = [a.generated_start for a in self.aside.values() if a.generated_start is not None]
         if starts:

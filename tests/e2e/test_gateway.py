@@ -34,21 +34,37 @@ MODEL = "stories260K"
 PROMPTS = ["Once upon a time", "Lily and Tom", "The big dog", "One day, a girl", "Tim had a ball", "Mom said"]
 
 
+# The layouts a test runs in: the tokenizer apart from the gateway, or beside it (`parkade gateway
+# --with-tokenizer`, `parkade up`'s: the gateway's requests and events in memory).
+LAYOUTS = pytest.mark.parametrize("beside", [False, True], ids=["apart", "beside"])
+
+
 def run_with_gateway(
-    bootstrap: str, body, *, api_key: str | None = None, max_body_bytes: int = 100_000, **kw
+    bootstrap: str,
+    body,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = 100_000,
+    beside: bool = False,
+    **kw,
 ):
-    """asyncio.run(body(pipeline, base_url)): the services and a gateway on fresh topics."""
+    """asyncio.run(body(pipeline, base_url)): the services and a gateway on fresh topics
+    (`beside`: the tokenizer served by the gateway, in its memory)."""
     prefix = f"g{uuid.uuid4().hex[:8]}."
 
     async def main():
         bus = KafkaBus(bootstrap, client_id="e2e-services")
         await bus.create_topics([topics.topic_name(t, prefix) for t in topics.ALL_TOPICS])
         options = GatewayOptions(model=STORIES, http_port=0, max_body_bytes=100_000)
+        engine = {**ENGINE, **kw, "serve_tokenizer": not beside}
         try:
-            async with running_pipeline(bus, STORIES, prefix=prefix, **{**ENGINE, **kw}) as pipeline:
+            async with running_pipeline(bus, STORIES, prefix=prefix, **engine) as pipeline:
                 pipeline.prefix = prefix  # for a test that reads the topics
                 pipeline.gateway = GatewayHandler.from_options(options)  # for one that looks inside
-                async with running_gateway(bootstrap, prefix, pipeline.gateway, options, api_key) as url:
+                tokenizer = ("tokenizer", pipeline.tokenizer) if beside else None
+                async with running_gateway(
+                    bootstrap, prefix, pipeline.gateway, options, api_key, beside=tokenizer
+                ) as url:
                     return await asyncio.wait_for(body(pipeline, url), 300)
         finally:
             await bus.close()
@@ -58,7 +74,12 @@ def run_with_gateway(
 
 @contextlib.asynccontextmanager
 async def running_gateway(
-    bootstrap: str, prefix: str, handler: GatewayHandler, options: GatewayOptions, api_key: str | None = None
+    bootstrap: str,
+    prefix: str,
+    handler: GatewayHandler,
+    options: GatewayOptions,
+    api_key: str | None = None,
+    beside=None,
 ) -> AsyncIterator[str]:
     """The gateway serving `handler` as a task of this process, until the block ends; -> its URL."""
     stop, url = asyncio.Event(), asyncio.get_running_loop().create_future()
@@ -72,6 +93,7 @@ async def running_gateway(
             stop=stop,
             broker_wait_s=10,
             ready=url.set_result,
+            beside=beside,
         )
     )
     await asyncio.wait({gateway, url}, return_when=asyncio.FIRST_COMPLETED)
@@ -100,11 +122,29 @@ async def final_events(bootstrap: str, topic: str) -> list:
     return [e for e in events if getattr(e, "finish_reason", None) is not None]
 
 
+async def requests_on_the_broker(bootstrap: str, topic: str) -> list:
+    """The GenerateRequests and AbortRequests on `topic` (the requests topic) of the broker."""
+    from aiokafka import AIOKafkaConsumer
+
+    from parkade.schemas import AbortRequest, GenerateRequest
+
+    decoder = topics.TopicDecoder(topics.REQUESTS)
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        records = [r for batch in (await consumer.getmany(timeout_ms=2000)).values() for r in batch]
+    finally:
+        await consumer.stop()
+    messages = [decoder.decode(r.value, dict(r.headers).get(topics.CONTENT_TYPE)) for r in records]
+    return [m for m in messages if isinstance(m, GenerateRequest | AbortRequest)]
+
+
 def expected_outputs(prompts, params):
     return [o.outputs[0] for o in LLM(STORIES, dtype="float32", **ENGINE).generate(prompts, params)]
 
 
-def test_the_openai_package_gets_the_in_process_engines_text_streaming_or_not(module_broker):
+@LAYOUTS
+def test_the_openai_package_gets_the_in_process_engines_text_streaming_or_not(module_broker, beside):
     greedy = expected_outputs(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=24, logprobs=2))
     stopped = expected_outputs(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=24, stop=["Lily"]))[0]
 
@@ -141,7 +181,7 @@ def test_the_openai_package_gets_the_in_process_engines_text_streaming_or_not(mo
         await client.close()
         return out
 
-    out = run_with_gateway(module_broker, body)
+    out = run_with_gateway(module_broker, body, beside=beside)
     batch = out["batch"]
     assert [c.text for c in batch.choices] == [g.text for g in greedy]
     assert [c.index for c in batch.choices] == [0, 1]
@@ -246,7 +286,8 @@ def test_an_overloaded_pipeline_answers_429_and_serves_the_rest(module_broker):
     assert all(a.json()["usage"]["completion_tokens"] == 16 for a in answers if a.status_code == 200)
 
 
-def test_a_client_that_disconnects_mid_stream_aborts_its_request(module_broker):
+@LAYOUTS
+def test_a_client_that_disconnects_mid_stream_aborts_its_request(module_broker, beside):
     async def body(pipeline, url):
         request = {"prompt": PROMPTS[0], "max_tokens": 500, "ignore_eos": True, "stream": True}
         async with (
@@ -270,13 +311,14 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(module_broker):
         after = kv.num_blocks - kv.num_free_blocks, len(pipeline.scheduler.live.finished)
         return held, streamed, after, await final_events(module_broker, f"{pipeline.prefix}generated")
 
-    held, streamed, after, finals = run_with_gateway(module_broker, body, max_model_len=512)
+    held, streamed, after, finals = run_with_gateway(module_broker, body, max_model_len=512, beside=beside)
     assert held > 0 and streamed == (0, 1) and after == (0, 2)  # blocks freed, both requests ended
     # ... by an abort, long before their 500 tokens.
     assert [(e.finish_reason, e.index < 400) for e in finals] == [("abort", True), ("abort", True)]
 
 
-def test_64_concurrent_streaming_clients_each_get_their_whole_stream_in_order(module_broker):
+@LAYOUTS
+def test_64_concurrent_streaming_clients_each_get_their_whole_stream_in_order(module_broker, beside):
     prompts = [f"{PROMPTS[i % len(PROMPTS)]}{' and' * (i // len(PROMPTS))}" for i in range(64)]
     expected = expected_outputs(prompts, SamplingParams(temperature=0, max_tokens=16))
 
@@ -293,9 +335,12 @@ def test_64_concurrent_streaming_clients_each_get_their_whole_stream_in_order(mo
         await client.close()
         await wait_idle(pipeline)
         kv = pipeline.scheduler.scheduler.kv
-        return results, kv.num_free_blocks == kv.num_blocks
+        on_broker = await requests_on_the_broker(module_broker, f"{pipeline.prefix}requests")
+        return results, kv.num_free_blocks == kv.num_blocks, len(on_broker)
 
-    results, all_free = run_with_gateway(module_broker, body)
+    results, all_free, on_broker = run_with_gateway(module_broker, body, beside=beside)
+    # Beside its tokenizer, the gateway's requests never reach the broker (they stay in memory).
+    assert on_broker == (0 if beside else 64)
     for chunks, want in zip(results, expected, strict=True):
         assert "".join(c.choices[0].text for c in chunks) == want.text
         reasons = [c.choices[0].finish_reason for c in chunks]

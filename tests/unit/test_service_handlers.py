@@ -527,6 +527,26 @@ def test_a_restarted_tokenizer_rebuilds_its_streams_from_the_log(stories_fronten
         assert not second.streams and second.low_watermarks() == {}
 
 
+def test_a_gateways_requests_in_memory_never_hold_the_requests_topics_commit(stories_frontend):
+    """A request from the gateway's own topic (in its memory beside the tokenizer) dies with the
+    process: a restart cannot read it again, so only the broker's requests hold the commit."""
+    local = "p." + topics.gateway_requests("0123456789ab")
+    assert topics.is_gateway_requests(local) and topics.base_topic(local) == topics.REQUESTS
+    assert not topics.is_gateway_requests("p.requests") and not topics.is_gateway_requests(
+        "gateway-x.requests"
+    )
+    handler = TokenizerHandler(stories_frontend)
+    params = SamplingParams(max_tokens=20)
+    for request_id, source in (("mem", (local, 0, 2)), ("kafka", ("p.requests", 0, 9))):
+        out = handler.on_request(
+            GenerateRequest(request_id=request_id, prompt="Once upon", sampling_params=params), (), source
+        )
+        assert routed(out)
+        if request_id == "mem":
+            assert topics.REQUESTS not in handler.low_watermarks()
+    assert handler.low_watermarks()[topics.REQUESTS] == 9
+
+
 def test_a_tokenizer_stream_read_again_after_it_ended_sends_its_last_event_again(stories_frontend):
     """The crash came after the final event was handled but before it went out."""
     request = GenerateRequest(request_id="r", prompt="Once", sampling_params=SamplingParams(max_tokens=2))
