@@ -118,11 +118,12 @@ SERVICE_FLAGS: dict[str, list[Flag]] = {
 # broker) rather than one (`parkade replica`, steps in memory). One: see replica.py.
 SPLIT_REPLICAS = False
 # Whether the tokenizer is a process of its own rather than in the gateway's (`parkade gateway
-# --with-tokenizer`: the token events of the gateway's streams in memory). Measured on `parkade up`
-# under vLLM's client (tiny-llama, 64 prompts of 256 tokens, 2 vCPUs), three stacks each,
-# alternated: in the gateway, output 3,745 / 4,337 / 3,875 tok/s, mean TTFT 298 / 264 / 276 ms
-# against 3,803 / 3,744 / 3,656 and 331 / 315 / 285; the gateway and tokenizer's CPU 0.81-0.84 s
-# a round against 1.03-1.10, the broker's 0.38-0.41 against 0.55-0.58.
+# --with-tokenizer`: the gateway's requests and their token events in memory). Measured on
+# `parkade up` under vLLM's client (tiny-llama, 64 prompts of 256 tokens, 2 vCPUs), three stacks
+# each, alternated: in the gateway, output 3,891 / 3,701 / 3,931 tok/s, mean TTFT 260 / 285 / 251
+# ms against 3,463 / 3,976 / 3,684 and 331 / 268 / 311; the gateway and tokenizer's CPU 0.85-0.90 s
+# a round against 0.98-1.09, the broker's 0.41-0.42 against 0.52-0.59 (docs/benchmarks.md,
+# eighteenth session).
 SPLIT_TOKENIZER = False
 
 
