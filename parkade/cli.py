@@ -11,7 +11,7 @@ parkade tokenizer | scheduler | executor | gateway [--help]
     run one service (`parkade gateway --with-tokenizer`: the gateway and the tokenizer in one process)
 parkade replica [--help]
     run one engine replica in one process: a scheduler and its executor (what `parkade up`
-    starts for each replica, with a tokenizer and the gateway)
+    starts for each replica, with the gateway and its tokenizer)
 parkade trace REQUEST_ID
     one request's spans as a waterfall (after `parkade up --trace`)
 parkade topics [--create] [--reap]

@@ -170,7 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=SPLIT_TOKENIZER,
         help="run the tokenizer as a process of its own rather than in the gateway's (`parkade gateway "
-        "--with-tokenizer`, the gateway's token events in memory); several --tokenizers always are "
+        "--with-tokenizer`, the gateway's requests and events in memory); several --tokenizers always are "
         f"(default: {'split' if SPLIT_TOKENIZER else 'in the gateway'})",
     )
     local.add_argument("--topic-prefix", default=DEFAULT_PREFIX, help=f"(default: {DEFAULT_PREFIX})")

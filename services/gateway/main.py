@@ -591,8 +591,8 @@ async def serve(
     beside: tuple[str, Service] | None = None,
 ) -> None:
     """Serve HTTP until `stop`; `ready(url)` once it listens (`parkade up` reads the line).
-    `beside`: (instance name, service) run in this process, that writes the events of this
-    gateway's requests to its reply topic in memory (`parkade gateway --with-tokenizer`)."""
+    `beside`: (instance name, service) run in this process, that reads this gateway's requests
+    and writes their events, both in memory (`parkade gateway --with-tokenizer`)."""
     from parkade.services.bus.kafka import KafkaBus, wait_for_broker
 
     sock = listening_socket(options.host, options.http_port)  # first: a taken port fails at once
@@ -681,19 +681,20 @@ def _announce(sock: socket.socket, ready: Callable[[str], None] | None) -> None:
 
 class _Beside:
     """The service that runs beside the gateway (see `serve`), as it runs alone (`parkade
-    tokenizer`: its own bus, consumer group and instance claim), but writing to the gateway's
-    reply topic in the gateway's memory."""
+    tokenizer`: its own bus, consumer group and instance claim), but reading the gateway's
+    requests topic and writing to its reply topic in the gateway's memory."""
 
     def __init__(
         self,
         beside: tuple[str, Service],
-        gateway_bus: SplitBus,
+        gateway_bus: Bus,
         bootstrap_servers: str,
         prefix: str,
         wait_s: float,
         idempotence: bool,
     ) -> None:
         self.name, self.service = beside
+        assert isinstance(gateway_bus, SplitBus), "the gateway's bus keeps its own topics in memory"
         self.gateway_bus = gateway_bus
         self.bootstrap_servers, self.prefix = bootstrap_servers, prefix
         self.wait_s, self.idempotence = wait_s, idempotence

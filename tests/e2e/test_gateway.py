@@ -104,38 +104,33 @@ async def running_gateway(
         await gateway
 
 
-async def final_events(bootstrap: str, topic: str) -> list:
-    """The scheduler's final GeneratedTokens on `topic` (the generated topic), in order."""
+async def read_topic(bootstrap: str, topic: str, kind: str) -> list:
+    """The decoded records of `topic` on the broker, in order (`kind`: what it carries, unprefixed)."""
     from aiokafka import AIOKafkaConsumer
 
-    decoder = topics.TopicDecoder(topics.GENERATED)
+    decoder = topics.TopicDecoder(kind)
     consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest")
     await consumer.start()
     try:
         records = [r for batch in (await consumer.getmany(timeout_ms=2000)).values() for r in batch]
     finally:
         await consumer.stop()
+    return [decoder.decode(r.value, dict(r.headers).get(topics.CONTENT_TYPE)) for r in records]
+
+
+async def final_events(bootstrap: str, topic: str) -> list:
+    """The scheduler's final GeneratedTokens on `topic` (the generated topic), in order."""
     events = []
-    for record in records:
-        message = decoder.decode(record.value, dict(record.headers).get(topics.CONTENT_TYPE))
+    for message in await read_topic(bootstrap, topic, topics.GENERATED):
         events += getattr(message, "events", None) or [message]
     return [e for e in events if getattr(e, "finish_reason", None) is not None]
 
 
 async def requests_on_the_broker(bootstrap: str, topic: str) -> list:
     """The GenerateRequests and AbortRequests on `topic` (the requests topic) of the broker."""
-    from aiokafka import AIOKafkaConsumer
-
     from parkade.schemas import AbortRequest, GenerateRequest
 
-    decoder = topics.TopicDecoder(topics.REQUESTS)
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest")
-    await consumer.start()
-    try:
-        records = [r for batch in (await consumer.getmany(timeout_ms=2000)).values() for r in batch]
-    finally:
-        await consumer.stop()
-    messages = [decoder.decode(r.value, dict(r.headers).get(topics.CONTENT_TYPE)) for r in records]
+    messages = await read_topic(bootstrap, topic, topics.REQUESTS)
     return [m for m in messages if isinstance(m, GenerateRequest | AbortRequest)]
 
 
