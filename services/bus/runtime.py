@@ -146,7 +146,7 @@ def run_service(
         )
 
     try:
-        return _until_signalled(name, args, serve_forever)
+        return until_signalled(name, args, serve_forever)
     finally:
         tracing.shutdown()  # what is buffered goes out
         for key, service in services.items():
@@ -154,7 +154,7 @@ def run_service(
                 service.timeline.dump(Path(timeline_dir) / f"{key}.json")
 
 
-def _until_signalled(
+def until_signalled(
     name: str, args: argparse.Namespace, serve_forever: Callable[[asyncio.Event], Awaitable[None]]
 ) -> int:
     """`run_until_signalled`, with the start-up failures said in one line; -> the exit code."""

@@ -720,14 +720,14 @@ class _Beside:
 
     async def _serve(self, ready: asyncio.Event) -> None:
         from parkade.services.bus.runtime import on_kafka
-        from parkade.services.bus.serve import serve_together
+        from parkade.services.bus.serve import serve
 
         service, prefix = self.service, self.prefix
         await on_kafka(
             self.bootstrap_servers,
             prefix,
             self.name,
-            lambda bus: serve_together(bus, [service], prefix=prefix, stop=self.stopping, ready=ready.set),
+            lambda bus: serve(bus, service, prefix=prefix, stop=self.stopping, ready=ready.set),
             wait_s=self.wait_s,
             idempotence=self.idempotence,
             instances=[service.instance_name or self.name],
@@ -788,9 +788,7 @@ def run(
         print(f"parkade gateway: {error}", file=sys.stderr)
         return 2
 
-    from parkade.services.bus.instances import DuplicateInstanceError
-    from parkade.services.bus.kafka import BrokerUnreachableError, TopicLayoutError
-    from parkade.services.bus.runtime import run_until_signalled
+    from parkade.services.bus.runtime import until_signalled
 
     metrics = _metrics(args, service[1] if service is not None else None)
     if metrics is None:
@@ -811,30 +809,13 @@ def run(
         )
 
     try:
-        return run_until_signalled(serve_until)
-    except (BrokerUnreachableError, TopicLayoutError, DuplicateInstanceError, OSError) as error:
-        return _failed(args, options, error)
-    finally:
-        tracing.shutdown()  # what is buffered goes out
-
-
-def _failed(args: argparse.Namespace, options: GatewayOptions, error: Exception) -> int:
-    """Why the gateway could not serve, in one line; -> the exit code."""
-    from parkade.services.bus.instances import DuplicateInstanceError
-    from parkade.services.bus.kafka import BrokerUnreachableError, TopicLayoutError
-    from parkade.services.bus.runtime import EXIT_DUPLICATE
-
-    if isinstance(error, BrokerUnreachableError):
+        # (a broker it cannot reach, topics laid out wrong, another instance of the service
+        # beside: one line each, as every service says them)
+        return until_signalled("gateway", args, serve_until)
+    except OSError as error:  # the address is taken, or not ours
         print(
-            f"parkade gateway: cannot reach the broker at {args.bootstrap_servers}: {error}", file=sys.stderr
+            f"parkade gateway: cannot listen on {options.host}:{options.http_port}: {error}", file=sys.stderr
         )
         return 1
-    if isinstance(error, TopicLayoutError):
-        print(f"parkade gateway: {error}", file=sys.stderr)
-        return 2
-    if isinstance(error, DuplicateInstanceError):  # another instance of the service beside serves
-        print(f"parkade gateway: refusing to start: {error}", file=sys.stderr)
-        return EXIT_DUPLICATE
-    # the address is taken, or not ours
-    print(f"parkade gateway: cannot listen on {options.host}:{options.http_port}: {error}", file=sys.stderr)
-    return 1
+    finally:
+        tracing.shutdown()  # what is buffered goes out
