@@ -23,8 +23,9 @@
  * 2 A, 2 B), so a panel is read from DRAM once for up to 256 rows and from L2 after that. Rows come
  * in chunks of MAX_ROWS_PER_PASS, so that the staged rows a panel meets stay in L2. Over more than 32
  * rows, the passes after a panel's first (B from L2) fetch the thread's next panel into L2, so that
- * DRAM streams while they compute: small-llama's step at 64 rows 10.0-10.6 ms against 11.4, at 128
- * 14.5-15.0 against 19.1, 1-32 rows unchanged (loadtest/linear_bench.py, 2026-12-06).
+ * DRAM streams while they compute: small-llama's step at 64 rows 9.2-10.6 ms against 10.8-11.4, at
+ * 128 14.5-15.0 against 18.7-19.1, 1-48 rows unchanged (loadtest/linear_bench.py, 2026-12-06; in a
+ * real decode step, beside the attention, 11.2-11.7 ms against 11.8-11.9 at 64 rows).
  */
 #include <stdint.h>
 #include <stdlib.h>
