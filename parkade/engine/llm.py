@@ -42,7 +42,7 @@ class LLM:
     tensor_parallel_size and pipeline_parallel_size (1), revision, tokenizer_revision and
     code_revision (None), tokenizer_mode, kv_cache_dtype and load_format ("auto"), max_logprobs
     (20). Parkade's own: admission, attention_backend, device, cpu_matmul_upcast,
-    max_waiting_requests, max_waiting_tokens.
+    cpu_threads, max_waiting_requests, max_waiting_tokens.
 
     Raises ValueError for a vLLM argument Parkade does not implement (quantization, cpu_offload_gb,
     enable_lora, speculative_config, ...: parkade/engine/unsupported.py), unless its value is

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from parkade.services.common.model_config import ModelConfig, resolve_max_model_len
 from parkade.services.common.model_files import check_model_folder
 from parkade.services.executor import cpu_malloc, kv_budget
+from parkade.services.executor.cpu_threads import parse_cpu_threads
 from parkade.services.executor.options import CPU_KV_BYTES, CPU_KV_SEQS, ExecutorOptions
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ def build_executor(
         attention_backend=options.attention_backend,
         seed=options.seed,
         cpu_matmul_upcast=options.cpu_matmul_upcast,
+        cpu_threads=parse_cpu_threads(options.cpu_threads),
         compile_model=not options.enforce_eager,
     )
     if device.type == "cpu" and environ is not None:
@@ -147,11 +149,9 @@ def build_executor(
         # warm-up and the first step (whose thread must find one arena): see cpu_malloc.py.
         cpu_malloc.tune_malloc(environ)
     max_model_len = kv_budget.fit_max_model_len(
-        max_model_len,
-        requested=options.max_model_len,
-        num_blocks=executor.num_blocks,
+        max_model_len, requested=options.max_model_len, num_blocks=executor.num_blocks,
         block_size=options.block_size,
-    )
+    )  # fmt: skip
     if executor.compiled is not None:
         seconds = executor.compile_model()
         log.info("compiled the forward in %.1f s (torch.compile, inductor)", seconds)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 import torch._dynamo
@@ -44,6 +45,10 @@ INDUCTOR_OPTIONS = {
     # small-llama's offline round 4% faster (9.54 s against 9.93, alternated in one process,
     # 2026-12-06); compiling took 33 s instead of 29 with an empty cache, the same with a warm one.
     "cpp_wrapper": True,
+    # Kernels read the thread count when they run, not when they compile: the executor sizes its
+    # team while it serves (cpu_threads.py). Offline, tiny-llama: 8,755-8,870 tok/s against
+    # 8,453-9,058 with the count compiled in (2026-12-06, alternated).
+    "cpp.dynamic_threads": True,
     "size_asserts": False,
     "nan_asserts": False,
 }
@@ -142,9 +147,23 @@ class CompiledForward:
         return 0 if self._warmup_graphs is None else _unique_graphs() - self._warmup_graphs
 
     @torch.inference_mode()
-    def warmup(self) -> float:
-        """Compile now, on a dummy batch that writes nothing; -> seconds it took."""
+    def warmup(self, team_sizes: Sequence[int] = ()) -> float:
+        """Compile now, on a dummy batch that writes nothing, once for each of `team_sizes` (the
+        CPU threads the steps may run on: dynamo guards on the count, see cpu_threads.py; none:
+        the count in force); -> seconds it took."""
         start = time.perf_counter()
+        before = torch.get_num_threads()
+        try:
+            for size in team_sizes or (before,):
+                torch.set_num_threads(size)
+                self._dummy_step()
+        finally:
+            torch.set_num_threads(before)
+        self.compile_s = time.perf_counter() - start
+        self._warmup_graphs = self._seen_graphs = _unique_graphs()
+        return self.compile_s
+
+    def _dummy_step(self) -> None:
         num_tokens = 3
         md = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),
@@ -158,6 +177,3 @@ class CompiledForward:
         )
         ids = torch.zeros(num_tokens, dtype=torch.int64)
         self(ids, torch.tensor([0, 1, 0]), md, torch.tensor([1, 2]))
-        self.compile_s = time.perf_counter() - start
-        self._warmup_graphs = self._seen_graphs = _unique_graphs()
-        return self.compile_s

@@ -8,6 +8,7 @@ execute(plan):  1. drop finished and preempted requests' state
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import msgspec
@@ -19,6 +20,7 @@ from parkade.schemas import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor import kv_budget
 from parkade.services.executor.compiled import CompiledForward
+from parkade.services.executor.cpu_threads import CpuThreads, machine_busy_reader
 from parkade.services.executor.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraph, DecodeGraphs, EagerGraph
 from parkade.services.executor.input_batch import InputBatch, ModelInputs
 from parkade.services.executor.kv_pool import allocate_kv_pool, num_blocks_for_budget
@@ -64,6 +66,7 @@ class Executor:
         attention_backend: AttentionBackend | str = AttentionBackend.AUTO,
         seed: int = 0,
         cpu_matmul_upcast: bool = True,
+        cpu_threads: int | None = None,
         compile_model: bool = False,
     ) -> None:
         self.model_config = model_config
@@ -94,6 +97,8 @@ class Executor:
         self.num_blocks = num_blocks_for_budget(model_config, block_size, kv_cache_memory_bytes, kv_dtype)
         self.kv_caches = allocate_kv_pool(model_config, self.num_blocks, block_size, kv_dtype, device)
         self.sampler = Sampler()
+        # A CPU step's team size (cpu_threads.py): `cpu_threads` threads, or None: measured.
+        self.cpu_threads = cpu_team(cpu_threads) if device.type == "cpu" else None
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.batch = InputBatch(block_size, device)
@@ -134,7 +139,7 @@ class Executor:
         """Compile the forward now (see `compiled.py`); -> seconds it took."""
         if self.compiled is None:
             raise ValueError("this executor was built without compile_model, or cannot compile here")
-        return self.compiled.warmup()
+        return self.compiled.warmup(self.cpu_threads.sizes if self.cpu_threads is not None else ())
 
     def decode_graphs_supported(self) -> bool:
         # By name: resolving the Triton backend on a CPU would switch on its interpreter.
@@ -169,8 +174,18 @@ class Executor:
         for cached in plan.cached_requests:
             self.batch.extend_blocks(cached)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        team = self.cpu_threads
+        if team is None:
+            return self._execute(plan)
+        team.begin_step()
+        try:
+            return self._execute(plan)
+        finally:
+            team.end_step()
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepResult:
         self._apply_plan(plan)
         if not plan.num_scheduled_tokens:
             return StepResult(step_id=plan.step_id)
@@ -232,3 +247,20 @@ class Executor:
                 entries += token_logprobs(logits, targets[lo:hi], [wanted] * (hi - lo))  # type: ignore[misc]
             out.append(PromptLogprobs(request_id=request_id, start=start, logprobs=tuple(entries)))
         return tuple(out)
+
+
+def cpu_team(fixed: int | None) -> CpuThreads:
+    """The team of a CPU executor's steps: at most the threads torch starts with (its default, or
+    OMP_NUM_THREADS), over the CPUs this process may use."""
+    if hasattr(os, "sched_getaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+    else:
+        cpus = list(range(os.cpu_count() or 1))
+    return CpuThreads(
+        torch.get_num_threads(),
+        fixed=fixed,
+        num_cpus=len(cpus),
+        set_threads=torch.set_num_threads,
+        get_threads=torch.get_num_threads,
+        machine_busy=machine_busy_reader(cpus),
+    )

@@ -16,6 +16,7 @@ from parkade.services.common.model_config import DTYPE_NAMES, check_dtype_name
 from parkade.services.common.model_files import MAX_MODEL_LEN_METADATA, MODEL_METADATA
 from parkade.services.common.simulation import SIMULATE_METADATA, Simulation
 from parkade.services.executor.cost_model import DEFAULT_BANDWIDTH_SHARE, DEFAULT_MFU, DEFAULT_STEP_OVERHEAD_S
+from parkade.services.executor.cpu_threads import AUTO, parse_cpu_threads
 
 DType = Any  # a torch.dtype (not named, to keep torch out of this module)
 
@@ -96,6 +97,13 @@ class ExecutorOptions:
             "weights in fp32: several times faster there, equal up to summation order; off: native matmuls"
         },
     )
+    cpu_threads: str = field(
+        default=AUTO,
+        metadata={
+            "help": "threads of a CPU executor's steps: a number, or auto: as many as the CPUs that the "
+            "machine's other processes leave (measured while it steps; see cpu_threads.py)"
+        },
+    )
     simulate: str | None = field(default=None, metadata=SIMULATE_METADATA)
     simulate_speedup: float = field(
         default=1.0,
@@ -148,6 +156,8 @@ class ExecutorOptions:
         share = self.gpu_memory_utilization
         if share is not None and not 0 < share <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1] or unset, got {share}")
+        object.__setattr__(self, "cpu_threads", str(self.cpu_threads))
+        parse_cpu_threads(self.cpu_threads)  # a typo fails here, before anything starts
         if self.simulate is not None:
             Simulation.parse(self.simulate)  # a typo fails here, before anything starts
             if self.simulate_speedup <= 0:

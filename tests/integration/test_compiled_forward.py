@@ -4,6 +4,8 @@ The rest of the suite runs eager (tests/conftest.py says why); here engines comp
 - greedy tokens equal transformers' in fp32, on batches of every shape serving makes (staggered
   arrivals, chunked prefill, prefix-cache hits, single-token steps), with no recompile after the
   warmup: one graph serves them all;
+- the warmup compiles a variant for each CPU team size the executor may step on (dynamo guards on
+  the thread count): switching between them recompiles nothing, and the tokens stay the same;
 - a second process compiling the same model builds no kernel again: it finds them all in inductor's
   cache under $PARKADE_HOME.
 """
@@ -15,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hf_reference import STORIES, hf_greedy
 from test_engine_vs_transformers import MAX_NEW, make_prompts, run
 from tiny_models import make_tiny_model
@@ -62,6 +65,30 @@ def test_compiled_greedy_equals_transformers(inductor_home, tmp_path, model):
     assert engine.core.scheduler.kv.num_prefix_hits > 0
     assert executor.compiled.recompiles == 0, "every batch shape must fit the graph compiled at start"
     assert any((inductor_home / "inductor").rglob("*")), "the compiled code is cached under $PARKADE_HOME"
+
+
+def test_each_team_size_is_compiled_at_warmup(inductor_home):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a team of two, whatever this machine's CPUs (it may hold one)
+    try:
+        args = EngineArgs(
+            model=STORIES, dtype="float32", max_model_len=256, block_size=8, max_num_batched_tokens=32,
+            enforce_eager=False, cpu_threads="auto",
+        )  # fmt: skip
+        engine = Engine(args, skip_tokenizer_init=True)
+        executor = engine.core.executor
+        team = executor.cpu_threads
+        assert team is not None and team.sizes == (2, 1)
+        prompts = make_prompts(512)
+        got = {}
+        for size in (2, 1, 2):
+            team.fixed = team.threads = size  # held there; the next step applies it on its thread
+            got[size] = run(engine, prompts, ARRIVALS)
+            assert torch.get_num_threads() == size
+        assert got[1] == got[2]
+        assert executor.compiled.recompiles == 0, "both sizes were compiled at warmup"
+    finally:
+        torch.set_num_threads(before)
 
 
 CHILD = """

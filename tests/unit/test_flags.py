@@ -55,6 +55,7 @@ NON_DEFAULTS = {
         attention_backend=AttentionBackend.TRITON,
         seed=11,
         cpu_matmul_upcast=False,
+        cpu_threads="3",
         enforce_eager=not enforce_eager_default(),  # the suite runs with $PARKADE_ENFORCE_EAGER=1
         simulate="h100:qwen2-7b",
         simulate_speedup=0.5,
