@@ -71,7 +71,7 @@ def executor_paths(executor: Executor) -> dict[str, Any]:
         "isa": cpu["isa"],
         "aten_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_threads": torch.get_num_threads(),
-        "step_threads": executor.cpu_threads.describe() if executor.cpu_threads is not None else None,
+        "team": executor.team.describe() if executor.team is not None else None,
         "gemm": _gemm_path(executor, cpu["isa"]),
         "attention": backend,
         "compiled": executor.compiled is not None,

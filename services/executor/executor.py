@@ -97,8 +97,8 @@ class Executor:
         self.num_blocks = num_blocks_for_budget(model_config, block_size, kv_cache_memory_bytes, kv_dtype)
         self.kv_caches = allocate_kv_pool(model_config, self.num_blocks, block_size, kv_dtype, device)
         self.sampler = Sampler()
-        # A CPU step's team size (cpu_threads.py): `cpu_threads` threads, or None: measured.
-        self.cpu_threads = cpu_team(cpu_threads) if device.type == "cpu" else None
+        # A CPU step's team (cpu_threads.py): `cpu_threads` threads, or None: sized as measured.
+        self.team = cpu_team(cpu_threads) if device.type == "cpu" else None
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.batch = InputBatch(block_size, device)
@@ -139,7 +139,7 @@ class Executor:
         """Compile the forward now (see `compiled.py`); -> seconds it took."""
         if self.compiled is None:
             raise ValueError("this executor was built without compile_model, or cannot compile here")
-        return self.compiled.warmup(self.cpu_threads.sizes if self.cpu_threads is not None else ())
+        return self.compiled.warmup(self.team.sizes if self.team is not None else ())
 
     def decode_graphs_supported(self) -> bool:
         # By name: resolving the Triton backend on a CPU would switch on its interpreter.
@@ -175,7 +175,7 @@ class Executor:
             self.batch.extend_blocks(cached)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        team = self.cpu_threads
+        team = self.team
         if team is None:
             return self._execute(plan)
         team.begin_step()

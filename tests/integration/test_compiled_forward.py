@@ -77,7 +77,7 @@ def test_each_team_size_is_compiled_at_warmup(inductor_home):
         )  # fmt: skip
         engine = Engine(args, skip_tokenizer_init=True)
         executor = engine.core.executor
-        team = executor.cpu_threads
+        team = executor.team
         assert team is not None and team.sizes == (2, 1)
         prompts = make_prompts(512)
         got = {}
