@@ -8,13 +8,13 @@ for this CPU (-march=native), and ATen's own vector code has its capability leve
 
 from __future__ import annotations
 
-import os
 import platform
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from parkade.services.executor import cpu_malloc
+from parkade.services.executor.cpu_threads import usable_cpus
 
 if TYPE_CHECKING:
     from parkade.services.executor.executor import Executor
@@ -46,8 +46,7 @@ def _cpuinfo() -> tuple[str, set[str]]:
 def cpu_description() -> dict[str, Any]:
     """{"model", "isa" (the ISA_FLAGS this CPU has), "cpus" (usable by this process)}."""
     model, flags = _cpuinfo()
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"model": model, "isa": [f for f in ISA_FLAGS if f in flags], "cpus": cpus}
+    return {"model": model, "isa": [f for f in ISA_FLAGS if f in flags], "cpus": len(usable_cpus())}
 
 
 def _gemm_path(executor: Executor, isa: list[str]) -> str:

@@ -68,6 +68,13 @@ def parse_cpu_threads(value: str | int) -> int | None:
     return threads
 
 
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity; every CPU where that is not known)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def busy_seconds(stat_text: str, cpus: Iterable[int], ticks_per_s: float) -> float:
     """Seconds the CPUs `cpus` were busy, from the text of /proc/stat."""
     wanted = {f"cpu{c}" for c in cpus}

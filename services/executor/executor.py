@@ -8,7 +8,6 @@ execute(plan):  1. drop finished and preempted requests' state
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import msgspec
@@ -20,7 +19,7 @@ from parkade.schemas import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor import kv_budget
 from parkade.services.executor.compiled import CompiledForward
-from parkade.services.executor.cpu_threads import CpuThreads, machine_busy_reader
+from parkade.services.executor.cpu_threads import CpuThreads, machine_busy_reader, usable_cpus
 from parkade.services.executor.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraph, DecodeGraphs, EagerGraph
 from parkade.services.executor.input_batch import InputBatch, ModelInputs
 from parkade.services.executor.kv_pool import allocate_kv_pool, num_blocks_for_budget
@@ -252,10 +251,7 @@ class Executor:
 def cpu_team(fixed: int | None) -> CpuThreads:
     """The team of a CPU executor's steps: at most the threads torch starts with (its default, or
     OMP_NUM_THREADS), over the CPUs this process may use."""
-    if hasattr(os, "sched_getaffinity"):
-        cpus = sorted(os.sched_getaffinity(0))
-    else:
-        cpus = list(range(os.cpu_count() or 1))
+    cpus = usable_cpus()
     return CpuThreads(
         torch.get_num_threads(),
         fixed=fixed,

@@ -551,7 +551,7 @@ class Gateway:
 # ---- the process -----------------------------------------------------------------------------
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
-    def capture_signals(self):  # the service's own handlers stop it (`_run_until_signalled`)
+    def capture_signals(self):  # the service's own handlers stop it (`run_until_signalled`)
         yield
 
 

@@ -3,7 +3,6 @@ the measured choice between the full team and one that leaves the rest of the ma
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ from parkade.services.executor.cpu_threads import (
     machine_busy_reader,
     parse_cpu_threads,
     team_size,
+    usable_cpus,
 )
 from parkade.services.executor.options import ExecutorOptions
 
@@ -53,7 +53,7 @@ def test_busy_seconds_counts_the_named_cpus_without_idle_and_iowait():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
 def test_the_machine_reader_reads_this_machine():
-    read = machine_busy_reader(sorted(os.sched_getaffinity(0)))
+    read = machine_busy_reader(usable_cpus())
     first = read()
     sum(i * i for i in range(300_000))  # some busy time
     second = read()
