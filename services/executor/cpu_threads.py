@@ -15,7 +15,8 @@ of the machine took on this process's CPUs (/proc/stat, less this process's own)
 SPAN_S of stepping, sampled every SAMPLE_S. From half a core on, the team leaves one core to it (a
 gateway, tokenizer or broker runs one thread of Python or less, so one core is what a pipeline
 beside the executor takes), and takes it back below RELEASE_BELOW; the full team has every thread
-torch started with. A different size must be wanted by CONFIRM samples in a row.
+torch started with. A different size must be wanted by CONFIRM samples in a row. A small step
+(SMALL_STEP_TOKENS) runs on the smaller team in any case: the measure lags a burst's start.
 
 Why two sizes and no more: dynamo guards the compiled forward on the thread count, so each size is
 a compiled variant of its own, made at warm-up (`sizes`); a size first met while serving would
@@ -52,6 +53,16 @@ CONFIRM = 2  # samples in a row that must want the same new size
 # (0.28-0.38 while prompts fill the steps); small-llama, 0.0-0.33.
 RESERVE_FROM = 0.5
 RELEASE_BELOW = 0.35
+# A step of at most this many tokens runs on the smaller team whatever the measure says (`auto`).
+# Such a step (a few requests' decodes) gains little from a second thread, 1.58 against 1.76 ms
+# for one row and 2.5 against 2.9 for 16, tiny-llama offline, but a partner preempted by the
+# pipeline holds it up for the preemption: under `parkade up` a burst's first one-token decodes,
+# planned ahead for its first request, took 14-24 ms each on two threads while the gateway took in
+# the burst (before the measure, which follows the load over SPAN_S, could react), and the
+# requests that came meanwhile waited behind them; on one thread 2-5 ms. Measured under vLLM's
+# client (64 prompts of 256 tokens, alternated, 2026-12-06): a first round's mean TTFT 218-280 ms
+# (mean 246, seven stacks) against 240-300 (mean 269), output and TPOT within the noise.
+SMALL_STEP_TOKENS = 16
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user, nice, system, irq, softirq, steal (not idle, iowait)
 
 
@@ -145,10 +156,14 @@ class CpuThreads:
         # (time, machine busy seconds, own CPU seconds, seconds stepped): the newest spans SPAN_S.
         self._samples: deque[tuple[float, float | None, float, float]] = deque()
 
-    def begin_step(self) -> None:
-        """On the stepping thread, before a step: the team size in force there."""
-        if self._get() != self.threads:
-            self._set(self.threads)
+    def begin_step(self, num_tokens: int | None = None) -> None:
+        """On the stepping thread, before a step of `num_tokens` (None: not known): the team size
+        in force there, the smaller one for a small step (SMALL_STEP_TOKENS)."""
+        threads = self.threads
+        if self.fixed is None and num_tokens is not None and num_tokens <= SMALL_STEP_TOKENS:
+            threads = self.sizes[-1]
+        if self._get() != threads:
+            self._set(threads)
         self._step_start = self._clock()
 
     def end_step(self) -> None:

@@ -177,7 +177,7 @@ class Executor:
         team = self.team
         if team is None:
             return self._execute(plan)
-        team.begin_step()
+        team.begin_step(plan.total_num_scheduled_tokens)
         try:
             return self._execute(plan)
         finally:

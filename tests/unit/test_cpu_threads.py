@@ -11,6 +11,7 @@ from parkade.services.executor import cpu_threads
 from parkade.services.executor.cpu_threads import (
     CONFIRM,
     SAMPLE_S,
+    SMALL_STEP_TOKENS,
     SPAN_S,
     CpuThreads,
     busy_seconds,
@@ -147,6 +148,26 @@ def test_a_fixed_team_is_set_on_the_stepping_thread_and_never_measured():
     machine.steps(team, 2.0, own=1.0, others=1.5)
     assert machine.torch_threads == 1 and machine.set_calls == [1]
     assert team.others is None and team.switches == 0
+
+
+def test_a_small_step_runs_on_the_smaller_team_whatever_the_measure_says():
+    machine = Machine()
+    team = machine.team()
+    team.begin_step(SMALL_STEP_TOKENS)
+    assert machine.torch_threads == 1, "a few decodes: one thread"
+    team.end_step()
+    team.begin_step(SMALL_STEP_TOKENS + 1)
+    assert machine.torch_threads == 2, "a bigger step: the measured size (the full team, here)"
+    team.end_step()
+    team.begin_step()  # a step of unknown size: the measured size
+    assert machine.torch_threads == 2
+    team.end_step()
+    assert team.threads == 2 and team.switches == 0, "a small step is not a switch of the team"
+    assert machine.set_calls == [1, 2]
+    other = Machine(threads=1)
+    fixed = other.team(fixed=2)
+    fixed.begin_step(1)
+    assert other.torch_threads == 2, "a fixed team is fixed, small steps too"
 
 
 def test_a_team_of_one_has_one_size():
