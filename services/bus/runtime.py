@@ -155,14 +155,17 @@ def run_service(
 
 
 def until_signalled(
-    name: str, args: argparse.Namespace, serve_forever: Callable[[asyncio.Event], Awaitable[None]]
+    name: str,
+    args: argparse.Namespace,
+    serve_forever: Callable[[asyncio.Event], Awaitable[None]],
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
 ) -> int:
     """`run_until_signalled`, with the start-up failures said in one line; -> the exit code."""
     from parkade.services.bus.instances import DuplicateInstanceError
     from parkade.services.bus.kafka import BrokerUnreachableError, TopicLayoutError
 
     try:
-        return run_until_signalled(serve_forever)
+        return run_until_signalled(serve_forever, loop_factory)
     except BrokerUnreachableError as error:
         print(
             f"parkade {name}: cannot reach the broker at {args.bootstrap_servers}: {error}", file=sys.stderr
@@ -277,8 +280,12 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
 
-def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> int:
-    """Run `serve(stop)`; SIGINT or SIGTERM sets `stop`, and the service finishes its batch."""
+def run_until_signalled(
+    serve: Callable[[asyncio.Event], Awaitable[None]],
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+) -> int:
+    """Run `serve(stop)` on a loop from `loop_factory` (None: asyncio's own); SIGINT or SIGTERM
+    sets `stop`, and the service finishes its batch."""
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -294,7 +301,7 @@ def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> in
         await serve(stop)
         log.info("stopped")
 
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
+    with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(main())
     sys.stdout.flush()
     return 0
