@@ -163,6 +163,34 @@ class CompiledForward:
         self._warmup_graphs = self._seen_graphs = _unique_graphs()
         return self.compile_s
 
+    @torch.inference_mode()
+    def time_decode(self, rows: int, threads: int, repeats: int = 5) -> float:
+        """Seconds of the fastest of `repeats` dummy decode steps (`rows` one-token requests, that
+        write nothing) on `threads` threads: a size compiled at warm-up, so nothing compiles."""
+        md = AttentionMetadata(
+            slot_mapping=torch.full((rows,), -1, dtype=torch.int64),
+            cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32),
+            seqused_k=torch.ones(rows, dtype=torch.int32),
+            block_table=torch.zeros(rows, 2, dtype=torch.int32),
+            max_seqlen_q=1,
+            max_seqlen_k=1,
+            query_lens=(1,) * rows,
+            seq_lens=(1,) * rows,
+        )
+        ids = torch.zeros(rows, dtype=torch.int64)
+        before = torch.get_num_threads()
+        best = float("inf")
+        try:
+            torch.set_num_threads(threads)
+            self(ids, torch.zeros(rows, dtype=torch.int64), md, torch.arange(rows))  # warm caches
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self(ids, torch.zeros(rows, dtype=torch.int64), md, torch.arange(rows))
+                best = min(best, time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(before)
+        return best
+
     def _dummy_step(self) -> None:
         num_tokens = 3
         md = AttentionMetadata(

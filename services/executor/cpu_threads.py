@@ -16,7 +16,8 @@ SPAN_S of stepping, sampled every SAMPLE_S. From half a core on, the team leaves
 gateway, tokenizer or broker runs one thread of Python or less, so one core is what a pipeline
 beside the executor takes), and takes it back below RELEASE_BELOW; the full team has every thread
 torch started with. A different size must be wanted by CONFIRM samples in a row. A small step
-(SMALL_STEP_TOKENS) runs on the smaller team in any case: the measure lags a burst's start.
+(SMALL_STEP_TOKENS) runs on the smaller team in any case where the warm-up timed it nearly as fast
+there: the measure lags a burst's start.
 
 Why two sizes and no more: dynamo guards the compiled forward on the thread count, so each size is
 a compiled variant of its own, made at warm-up (`sizes`); a size first met while serving would
@@ -53,16 +54,21 @@ CONFIRM = 2  # samples in a row that must want the same new size
 # (0.28-0.38 while prompts fill the steps); small-llama, 0.0-0.33.
 RESERVE_FROM = 0.5
 RELEASE_BELOW = 0.35
-# A step of at most this many tokens runs on the smaller team whatever the measure says (`auto`).
-# Such a step (a few requests' decodes) gains little from a second thread, 1.58 against 1.76 ms
-# for one row and 2.5 against 2.9 for 16, tiny-llama offline, but a partner preempted by the
-# pipeline holds it up for the preemption: under `parkade up` a burst's first one-token decodes,
-# planned ahead for its first request, took 14-24 ms each on two threads while the gateway took in
-# the burst (before the measure, which follows the load over SPAN_S, could react), and the
-# requests that came meanwhile waited behind them; on one thread 2-5 ms. Measured under vLLM's
-# client (64 prompts of 256 tokens, alternated, 2026-12-06): a first round's mean TTFT 218-280 ms
-# (mean 246, seven stacks) against 240-300 (mean 269), output and TPOT within the noise.
+# A step of at most this many tokens (a few requests' decodes) runs on the smaller team whatever
+# the measure says (`auto`), where the warm-up found that team nearly as fast for it (within
+# SMALL_STEP_SLACK). A step that small gains little from a second thread when the model's weights
+# are few (tiny-llama, offline: 1.58 against 1.76 ms for one row, 2.5 against 2.9 for 16), but a
+# partner preempted by the pipeline holds it up for the preemption: under `parkade up` a burst's
+# first one-token decodes, planned ahead for its first request, took 14-24 ms each on two threads
+# while the gateway took in the burst (before the measure, which follows the load over SPAN_S,
+# could react), and the requests that came meanwhile waited behind them; on one thread 2-5 ms.
+# Measured under vLLM's client (64 prompts of 256 tokens, alternated, 2026-12-06): a first
+# round's mean TTFT 218-280 ms (mean 246, seven stacks) against 240-300 (mean 269), output and
+# TPOT within the noise. A model whose weights a step streams from memory gains from the second
+# thread's bandwidth (small-llama, 88M: 11.0 against 18.8 ms for one row, 18.3 against 28.0 for
+# 16; offline its round lost 5 % with the rule): there small steps keep the measured size.
 SMALL_STEP_TOKENS = 16
+SMALL_STEP_SLACK = 1.3
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user, nice, system, irq, softirq, steal (not idle, iowait)
 
 
@@ -149,6 +155,7 @@ class CpuThreads:
         self._set, self._get = set_threads, get_threads
         self._machine_busy, self._own_cpu, self._clock = machine_busy, own_cpu, clock
         self.others: float | None = None  # cores the rest of the machine took in the last span
+        self.small_step_threads: int | None = None  # a small step's team (None: the measured one)
         self.switches = 0
         self._wanted, self._votes = self.threads, 0
         self._step_start = 0.0
@@ -160,11 +167,24 @@ class CpuThreads:
         """On the stepping thread, before a step of `num_tokens` (None: not known): the team size
         in force there, the smaller one for a small step (SMALL_STEP_TOKENS)."""
         threads = self.threads
-        if self.fixed is None and num_tokens is not None and num_tokens <= SMALL_STEP_TOKENS:
-            threads = self.sizes[-1]
+        if self.small_step_threads is not None and num_tokens is not None and num_tokens <= SMALL_STEP_TOKENS:
+            threads = self.small_step_threads
         if self._get() != threads:
             self._set(threads)
         self._step_start = self._clock()
+
+    def calibrate_small_steps(self, step_s: Callable[[int], float]) -> None:
+        """At warm-up: `step_s(threads)`, the seconds of a step of SMALL_STEP_TOKENS rows on that
+        many threads, decides whether small steps run on the smaller team (`auto` only)."""
+        if self.fixed is not None or len(self.sizes) < 2:
+            return
+        full, smaller = self.sizes
+        full_s, smaller_s = step_s(full), step_s(smaller)
+        self.small_step_threads = smaller if smaller_s <= SMALL_STEP_SLACK * full_s else None
+        log.info(
+            "CPU team: a step of %d tokens took %.2f ms on %d threads, %.2f on %d: small steps on %d",
+            SMALL_STEP_TOKENS, full_s * 1e3, full, smaller_s * 1e3, smaller, self.small_step_threads or full,
+        )  # fmt: skip
 
     def end_step(self) -> None:
         if self.fixed is not None:
@@ -214,4 +234,5 @@ class CpuThreads:
     def describe(self) -> str:
         if self.fixed is not None:
             return f"{self.fixed} (fixed)"
-        return f"auto: {self.threads} of {self.max_threads} now"
+        small = f", small steps on {self.small_step_threads}" if self.small_step_threads is not None else ""
+        return f"auto: {self.threads} of {self.max_threads} now{small}"

@@ -19,7 +19,12 @@ from parkade.schemas import PromptLogprobs, StepPlan, StepResult, TokenLogprobs
 from parkade.services.common.model_config import ModelConfig
 from parkade.services.executor import kv_budget
 from parkade.services.executor.compiled import CompiledForward
-from parkade.services.executor.cpu_threads import CpuThreads, machine_busy_reader, usable_cpus
+from parkade.services.executor.cpu_threads import (
+    SMALL_STEP_TOKENS,
+    CpuThreads,
+    machine_busy_reader,
+    usable_cpus,
+)
 from parkade.services.executor.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraph, DecodeGraphs, EagerGraph
 from parkade.services.executor.input_batch import InputBatch, ModelInputs
 from parkade.services.executor.kv_pool import allocate_kv_pool, num_blocks_for_budget
@@ -138,7 +143,11 @@ class Executor:
         """Compile the forward now (see `compiled.py`); -> seconds it took."""
         if self.compiled is None:
             raise ValueError("this executor was built without compile_model, or cannot compile here")
-        return self.compiled.warmup(self.team.sizes if self.team is not None else ())
+        seconds = self.compiled.warmup(self.team.sizes if self.team is not None else ())
+        if self.team is not None:
+            compiled = self.compiled
+            self.team.calibrate_small_steps(lambda threads: compiled.time_decode(SMALL_STEP_TOKENS, threads))
+        return seconds
 
     def decode_graphs_supported(self) -> bool:
         # By name: resolving the Triton backend on a CPU would switch on its interpreter.

@@ -150,9 +150,15 @@ def test_a_fixed_team_is_set_on_the_stepping_thread_and_never_measured():
     assert team.others is None and team.switches == 0
 
 
-def test_a_small_step_runs_on_the_smaller_team_whatever_the_measure_says():
+def test_a_small_step_runs_on_the_smaller_team_where_the_warm_up_timed_it_nearly_as_fast():
     machine = Machine()
     team = machine.team()
+    team.begin_step(1)
+    assert machine.torch_threads == 2, "not calibrated: small steps keep the measured size"
+    team.end_step()
+    timed: list[int] = []
+    team.calibrate_small_steps(lambda threads: timed.append(threads) or {2: 0.0020, 1: 0.0023}[threads])
+    assert timed == [2, 1] and team.small_step_threads == 1 and "small steps on 1" in team.describe()
     team.begin_step(SMALL_STEP_TOKENS)
     assert machine.torch_threads == 1, "a few decodes: one thread"
     team.end_step()
@@ -164,10 +170,25 @@ def test_a_small_step_runs_on_the_smaller_team_whatever_the_measure_says():
     team.end_step()
     assert team.threads == 2 and team.switches == 0, "a small step is not a switch of the team"
     assert machine.set_calls == [1, 2]
-    other = Machine(threads=1)
-    fixed = other.team(fixed=2)
-    fixed.begin_step(1)
-    assert other.torch_threads == 2, "a fixed team is fixed, small steps too"
+
+
+def test_small_steps_keep_the_measured_size_where_the_second_thread_pays():
+    machine = Machine()
+    team = machine.team()
+    slack = cpu_threads.SMALL_STEP_SLACK
+    team.calibrate_small_steps(
+        lambda threads: {2: 0.011, 1: 0.011 * slack * 1.1}[threads]
+    )  # weights streamed
+    assert team.small_step_threads is None and "small steps" not in team.describe()
+    team.begin_step(1)
+    assert machine.torch_threads == 2
+    team.end_step()
+
+
+def test_a_fixed_team_and_a_team_of_one_are_never_calibrated():
+    for team in (Machine(threads=1).team(fixed=2), Machine(threads=1).team(max_threads=1)):
+        team.calibrate_small_steps(lambda threads: pytest.fail("timed a step"))
+        assert team.small_step_threads is None
 
 
 def test_a_team_of_one_has_one_size():
