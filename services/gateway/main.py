@@ -743,8 +743,8 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
     Why: a client's burst opens its connections at once, and each costs the loop an accept, a
     transport and a parse before any request's handler runs; in pure-Python asyncio that held a
-    burst's first handler back 30-44 ms (vLLM's client, 64 new connections; the handlers all
-    started within 44-55 ms of the sends). Measured under `parkade up` (tiny-llama, 64 prompts of
+    burst's first handler back 30-44 ms (vLLM's client, 64 new connections; the last handler
+    started 51-55 ms after the sends). Measured under `parkade up` (tiny-llama, 64 prompts of
     256 tokens, 128 out, four stacks each, alternated, 2026-12-06): the first TTFT 50-112 ms (six
     of eight rounds under 71) against 98-152, output 3,735-5,266 tok/s (mean 4,466) against
     3,653-4,218 (3,952), TPOT 12.4 against 14.1 ms, the gateway's CPU 0.66-0.86 s a round against
