@@ -167,41 +167,42 @@ class CompiledForward:
     def time_decode(self, rows: int, threads: int, repeats: int = 5) -> float:
         """Seconds of the fastest of `repeats` dummy decode steps (`rows` one-token requests, that
         write nothing) on `threads` threads: a size compiled at warm-up, so nothing compiles."""
-        md = AttentionMetadata(
-            slot_mapping=torch.full((rows,), -1, dtype=torch.int64),
-            cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32),
-            seqused_k=torch.ones(rows, dtype=torch.int32),
-            block_table=torch.zeros(rows, 2, dtype=torch.int32),
-            max_seqlen_q=1,
-            max_seqlen_k=1,
-            query_lens=(1,) * rows,
-            seq_lens=(1,) * rows,
-        )
-        ids = torch.zeros(rows, dtype=torch.int64)
+        inputs = _dummy_inputs((1,) * rows)
         before = torch.get_num_threads()
         best = float("inf")
         try:
             torch.set_num_threads(threads)
-            self(ids, torch.zeros(rows, dtype=torch.int64), md, torch.arange(rows))  # warm caches
+            self(*inputs)  # warm caches
             for _ in range(repeats):
                 start = time.perf_counter()
-                self(ids, torch.zeros(rows, dtype=torch.int64), md, torch.arange(rows))
+                self(*inputs)
                 best = min(best, time.perf_counter() - start)
         finally:
             torch.set_num_threads(before)
         return best
 
     def _dummy_step(self) -> None:
-        num_tokens = 3
-        md = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),
-            cu_seqlens_q=torch.tensor([0, 2, 3], dtype=torch.int32),
-            seqused_k=torch.tensor([2, 1], dtype=torch.int32),
-            block_table=torch.zeros(2, 3, dtype=torch.int32),
-            max_seqlen_q=2,
-            max_seqlen_k=2,
-            query_lens=(2, 1),
-            seq_lens=(2, 1),
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.int64)
-        self(ids, torch.tensor([0, 1, 0]), md, torch.tensor([1, 2]))
+        self(*_dummy_inputs((2, 1)))
+
+
+def _dummy_inputs(
+    query_lens: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """A step's inputs that write nothing (slots -1) and read block 0: requests of `query_lens`
+    new tokens and no others, each token's logits row the request's last."""
+    lens = torch.tensor(query_lens, dtype=torch.int32)
+    cu_seqlens = torch.cat([lens.new_zeros(1), lens.cumsum(0, dtype=torch.int32)])
+    num_tokens = int(cu_seqlens[-1])
+    md = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),
+        cu_seqlens_q=cu_seqlens,
+        seqused_k=lens,
+        block_table=torch.zeros(len(query_lens), 3, dtype=torch.int32),
+        max_seqlen_q=max(query_lens),
+        max_seqlen_k=max(query_lens),
+        query_lens=query_lens,
+        seq_lens=query_lens,
+    )
+    positions = torch.cat([torch.arange(n) for n in query_lens])
+    ids = torch.zeros(num_tokens, dtype=torch.int64)
+    return ids, positions, md, cu_seqlens[1:].to(torch.int64) - 1
