@@ -18,8 +18,13 @@ On `main`, Parkade also runs as it was before its CPU path (eager, torch attenti
 Parkade runs with prefix caching off and on, and the ratio of their mean TTFT is reported (vLLM's
 anchor runs both too). `--request-rate R` makes Parkade's requests arrive as a seeded Poisson
 process of R per second, as a server sees them (the peers, which cannot, are skipped); TTFT then
-counts from each request's arrival. Each Parkade run reports a digest of every output token id: equal digests
-mean identical greedy tokens. Prints one JSON document.
+counts from each request's arrival. Each Parkade run reports a digest of every output token id:
+equal digests mean identical greedy tokens. Prints one JSON document.
+
+`--cap-isa avx2` runs every engine as on a CPU with AVX2 and no more (oneDNN and ATen capped,
+Parkade's kernel built for haswell: its bf16 matmuls upcast to fp32, as there). vLLM's own compiled
+kernels (its attention) keep what this CPU has, so such a row estimates an AVX2 machine's; the
+summary says so (`isa_cap`), and it never stands for a run on one.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ from parkade.services.executor.cpu_paths import cpu_description
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ANCHORS = REPO.parent / "shared" / "anchors"
+# --cap-isa: the settings that make oneDNN, ATen's vector code and Parkade's kernel build use no
+# more than that ISA (vLLM's own kernels are compiled for its wheel's ISA and cannot be capped).
+ISA_CAPS = {
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "PARKADE_CPU_MARCH": "haswell"}
+}
 
 
 def parkade_child(args: argparse.Namespace) -> dict:
@@ -177,6 +187,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--enforce-eager", action="store_true", help="Parkade without torch.compile")
     parser.add_argument(
+        "--cap-isa", choices=sorted(ISA_CAPS), help="every engine as on a CPU with only this ISA"
+    )
+    parser.add_argument(
         "--max-num-batched-tokens", type=int, default=None,
         help="Parkade's step token budget (default: Parkade's own; vLLM-CPU's is 4096)",
     )  # fmt: skip
@@ -193,6 +206,7 @@ def main() -> None:
         skip |= {"vllm", "naive"}  # the anchors' scripts submit everything at once
     prefix = args.workload == "prefix"
     results: dict[str, dict] = {}
+    env = {**os.environ, **ISA_CAPS[args.cap_isa]} if args.cap_isa else None
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         common = ["--model", args.model, "--workloads", args.workload, "--out", str(out)]
@@ -201,10 +215,10 @@ def main() -> None:
             pc = [] if prefix else ["--main-prefix-caching", "on" if args.prefix_caching else "off"]
             vllm = [args.vllm_python, str(args.anchors / "bench_vllm_cpu.py"), *common, *pc]
             vllm += ["--dtype", args.dtype, "--repeat", str(args.repeat)]
-            results["vllm"] = run_json(vllm, out)
+            results["vllm"] = run_json(vllm, out, env)
         if "naive" not in skip and not prefix:
             naive = [sys.executable, str(args.anchors / "bench_hf_naive.py"), *common]
-            results["naive"] = run_json(naive, out)
+            results["naive"] = run_json(naive, out, env)
         # main: Parkade now and as it was (--baseline); prefix: Parkade with caching off and on.
         if prefix:
             runs = {"parkade_cache_off": [], "parkade": ["--prefix-caching"]}
@@ -221,7 +235,7 @@ def main() -> None:
                        *(["--enforce-eager"] if args.enforce_eager else []),
                        *(["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
                          if args.max_num_batched_tokens else [])]  # fmt: skip
-            results[name] = run_json(command, out)
+            results[name] = run_json(command, out, env)
 
     def headline(name: str) -> dict:
         r = results.get(name, {})
@@ -256,6 +270,7 @@ def main() -> None:
         "prefix_caching": args.prefix_caching or prefix,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
         "cpu": cpu_description(),  # the ISA flags decide which paths run: a row per CPU kind
+        "isa_cap": {"isa": args.cap_isa, **ISA_CAPS[args.cap_isa]} if args.cap_isa else None,
         "output_tok_per_s": speeds,
         "ratios": ratios,
         "results": results,
