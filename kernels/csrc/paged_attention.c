@@ -370,7 +370,11 @@ static inline float softmax_tile512(const __m512 *s, float *w, float *m, float *
 /* run_item for a bf16 cache on AVX512-BF16 with head_dim D (a constant where it is inlined, so
  * that a head's accumulator and q live in registers). Per tile and KV head: the scores of 16
  * keys at a time for each query head of the group (VDPBF16PS, then one hsum16), the online
- * softmax, the head's V rows widened to fp32 once, and acc += w * v with acc in registers. */
+ * softmax, the head's V rows widened to fp32 once, and acc += w * v with acc in registers.
+ * Tried on a Zen 4 EPYC (AVX-512 on 256-bit units, no AMX) and slower there (docs/benchmarks.md,
+ * 2026-12-06): P.V on VDPBF16PS (0.87-0.95x), and P.V widening each V row once for all the
+ * group's heads with the accumulators in registers (0.81-0.93x); without touch_tile, 0.64-0.74x.
+ * Its decode rows wait on the memory's latency more than on this arithmetic. */
 static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem *pr, int64_t item, const int D, int touch) {
     const int hpi = pr->kv_heads_per_item;
     const int group = pr->num_q_heads / pr->num_kv_heads;
