@@ -41,7 +41,9 @@
  *     VDPBF16PS retires only one per two cycles;
  *   - otherwise (e.g. head_dim 8 with AVX-512) scalar loops, which the compiler vectorizes as it can.
  * Every path first loads a tile's K and V rows in address order (touch_tile), except where the
- * item before on the same thread read the same rows (a prefill chunk's rows: they are in cache).
+ * item before on the same thread read the same rows (a prefill chunk's rows: they are in cache);
+ * the row paths (not the AMX one) then prefetch the next tile's rows before computing this one
+ * (prefetch_next).
  * Threads: an OpenMP team (the same libgomp that torch loaded, so the same thread pool as torch's
  * own ops and no second set of spinning threads) splits the items by cost, i.e. keys read.
  *
@@ -245,8 +247,9 @@ static inline int first_key(const Problem *pr, int seq_len) {
 
 /* Loads every cache line of a tile's K and V rows, in address order, before the tile is computed
  * head by head (which reads each row in strided pieces; the loads then hit the cache). From DRAM
- * the per-head order alone streamed at 16 GB/s on two cores, and software prefetches a tile ahead,
- * at any distance or spread over the tile's work, did not help (16-17 GB/s); these loads keep many
+ * the per-head order alone streamed at 16 GB/s on two cores, and software prefetches a tile ahead
+ * in its place, at any distance or spread over the tile's work, did not help (16-17 GB/s; beside
+ * these loads they do: prefetch_next); these loads keep many
  * misses in flight: 25 GB/s (small-llama's decode batch over its layers' 2 GiB pool on an
  * AVX512-BF16 EPYC; loadtest/cpu_attention_bench.py's "from DRAM" cases). Whole-line vector loads:
  * one scalar load per line measured 20 GB/s. */
@@ -266,6 +269,52 @@ static inline void touch_tile(const char *k_base, const char *v_base, const int6
         }
     static _Thread_local volatile vline touched; /* the loads' only use: the compiler must keep them */
     touched = sink;
+}
+
+/* Prefetches (into L2: prefetcht1) of the K and V lines of keys [start, end). */
+static inline void prefetch_keys(const Problem *pr, const int32_t *table, const char *k_base, const char *v_base,
+                                 int start, int end, int64_t row_bytes, int64_t width_bytes) {
+    for (int p = start; p < end; p++) {
+        const int64_t row = slot_of(pr, table, p) * row_bytes;
+        for (int64_t byte = 0; byte < width_bytes; byte += 64) {
+            __builtin_prefetch(k_base + row + byte, 0, 2);
+            __builtin_prefetch(v_base + row + byte, 0, 2);
+        }
+    }
+}
+
+/* The first tile of work item `item`, prefetched. */
+static inline void prefetch_item_start(const Problem *pr, int64_t item) {
+    const int hpi = pr->kv_heads_per_item, items_per_seq = pr->num_kv_heads / hpi;
+    const int64_t b = item / items_per_seq;
+    const int h0 = (int)(item % items_per_seq) * hpi;
+    const int seq_len = pr->seq_lens[b], first = first_key(pr, seq_len);
+    const int32_t *table = pr->block_table + (pr->row_seq ? pr->row_seq[b] : b) * pr->table_stride;
+    const int64_t head_bytes = (int64_t)pr->head_dim * pr->elem;
+    const int end = first + TILE < seq_len ? first + TILE : seq_len;
+    prefetch_keys(pr, table, (const char *)pr->k_cache + h0 * head_bytes, (const char *)pr->v_cache + h0 * head_bytes,
+                  first, end, pr->num_kv_heads * head_bytes, hpi * head_bytes);
+}
+
+/* Called once a tile starting at `start` is loaded (touch_tile), before its arithmetic: prefetches
+ * what the thread reads next, so that those misses overlap this tile's arithmetic instead of
+ * waiting for the next touch_tile: the item's next tile (where this one was touched: otherwise
+ * the item's keys are in cache already), or after its last tile the first tile of `next`, the item
+ * this thread runs next (-1: none, or one whose keys are in cache). From DRAM on the Zen 4 EPYC,
+ * two threads (loadtest/cpu_attention_bench.py --against, 2026-12-07): tiny-llama 1.22-1.28x,
+ * small-llama 1.12-1.17x on AVX512-BF16 (run_item_dpbf16); 1.11x and 1.59x built for haswell
+ * (AVX2, run_item); small-llama's offline round spent 3.25 and 3.56 s in attention against 3.62
+ * and 3.75 (alternated). A touch_tile of the next tile instead would wait for its misses; the
+ * prefetches alone, without touch_tile, do not keep enough misses in flight (see there). */
+static inline void prefetch_next(const Problem *pr, const int32_t *table, const char *k_base, const char *v_base,
+                                 int start, int seq_len, int64_t row_bytes, int64_t width_bytes, int touch,
+                                 int64_t next) {
+    if (start + TILE < seq_len) {
+        const int end = start + 2 * TILE < seq_len ? start + 2 * TILE : seq_len;
+        if (touch) prefetch_keys(pr, table, k_base, v_base, start + TILE, end, row_bytes, width_bytes);
+    } else if (next >= 0) {
+        prefetch_item_start(pr, next);
+    }
 }
 
 /* <q, k> over head_dim elements; q fp32, k in the cache dtype. */
@@ -375,7 +424,8 @@ static inline float softmax_tile512(const __m512 *s, float *w, float *m, float *
  * 2026-12-06): P.V on VDPBF16PS (0.87-0.95x), and P.V widening each V row once for all the
  * group's heads with the accumulators in registers (0.81-0.93x); without touch_tile, 0.64-0.74x.
  * Its decode rows wait on the memory's latency more than on this arithmetic. */
-static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem *pr, int64_t item, const int D, int touch) {
+static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem *pr, int64_t item, const int D, int touch,
+                                                                   int64_t next) {
     const int hpi = pr->kv_heads_per_item;
     const int group = pr->num_q_heads / pr->num_kv_heads;
     const int heads = hpi * group;
@@ -412,6 +462,7 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
             rows[t] = slot_of(pr, table, p) * row_bytes;
         }
         if (touch) touch_tile(k_base, v_base, rows, n, width_bytes);
+        prefetch_next(pr, table, k_base, v_base, start, seq_len, row_bytes, width_bytes, touch, next);
 
         for (int hh = 0; hh < hpi; hh++) {
             const char *kh = k_base + (int64_t)hh * D * 2, *vh = v_base + (int64_t)hh * D * 2;
@@ -602,17 +653,17 @@ static inline __attribute__((always_inline)) void run_block_dpbf16(const Problem
 #include "attention_amx.h"
 #endif
 
-static void run_item(const Problem *pr, int64_t item, int touch) {
+static void run_item(const Problem *pr, int64_t item, int touch, int64_t next) {
 #if HAVE_AMX
     if (pr->amx && amx_item(pr, item, touch)) return;
 #endif
 #if HAVE_DPBF16
     if (pr->dtype == DTYPE_BF16 && pr->head_dim == 64) {
-        run_item_dpbf16(pr, item, 64, touch);
+        run_item_dpbf16(pr, item, 64, touch, next);
         return;
     }
     if (pr->dtype == DTYPE_BF16 && pr->head_dim == 128) {
-        run_item_dpbf16(pr, item, 128, touch);
+        run_item_dpbf16(pr, item, 128, touch, next);
         return;
     }
 #endif
@@ -658,6 +709,7 @@ static void run_item(const Problem *pr, int64_t item, int touch) {
             rows[t] = slot_of(pr, table, p) * row_bytes;
         }
         if (touch) touch_tile(k_base, v_base, rows, n, (int64_t)width * pr->elem);
+        prefetch_next(pr, table, k_base, v_base, start, seq_len, row_bytes, (int64_t)width * pr->elem, touch, next);
 
         for (int j = 0; j < heads; j++) {
             const int64_t kv_off = (int64_t)(j / group) * head_bytes;
@@ -699,7 +751,10 @@ static void run_items(const Problem *pr, int64_t lo, int64_t hi) {
 #if HAVE_AMX
     if (pr->amx) amx_configure();
 #endif
-    for (int64_t item = lo; item < hi; item++) run_item(pr, item, item == lo || !same_keys(pr, item - 1, item));
+    for (int64_t item = lo; item < hi; item++) {
+        const int64_t next = item + 1 < hi && !same_keys(pr, item, item + 1) ? item + 1 : -1;
+        run_item(pr, item, item == lo || !same_keys(pr, item - 1, item), next);
+    }
 #if HAVE_AMX
     if (pr->amx) _tile_release();
 #endif
@@ -820,6 +875,11 @@ typedef struct {
     const int32_t *row, *rows, *head;
 } Units;
 
+/* The row path's item of a unit of one row. */
+static inline int64_t unit_item(const Problem *pr, const Units *un, int64_t u) {
+    return un->row[u] * (pr->num_kv_heads / pr->kv_heads_per_item) + un->head[u] / pr->kv_heads_per_item;
+}
+
 /* Units [lo, hi) in order, on one thread: a block (rows > 1) or one row's item of the row path. */
 static void run_units(const Problem *pr, const Units *un, int64_t lo, int64_t hi) {
 #if HAVE_AMX
@@ -836,7 +896,8 @@ static void run_units(const Problem *pr, const Units *un, int64_t lo, int64_t hi
             continue;
         }
 #endif
-        run_item(pr, un->row[u] * (pr->num_kv_heads / pr->kv_heads_per_item) + un->head[u] / pr->kv_heads_per_item, 1);
+        const int64_t next = u + 1 < hi && un->rows[u + 1] == 1 ? unit_item(pr, un, u + 1) : -1;
+        run_item(pr, unit_item(pr, un, u), 1, next);
     }
 #if HAVE_AMX
     if (pr->amx) _tile_release();
