@@ -249,10 +249,10 @@ static inline int first_key(const Problem *pr, int seq_len) {
  * head by head (which reads each row in strided pieces; the loads then hit the cache). From DRAM
  * the per-head order alone streamed at 16 GB/s on two cores, and software prefetches a tile ahead
  * in its place, at any distance or spread over the tile's work, did not help (16-17 GB/s; beside
- * these loads they do: prefetch_next); these loads keep many
- * misses in flight: 25 GB/s (small-llama's decode batch over its layers' 2 GiB pool on an
- * AVX512-BF16 EPYC; loadtest/cpu_attention_bench.py's "from DRAM" cases). Whole-line vector loads:
- * one scalar load per line measured 20 GB/s. */
+ * these loads they do: prefetch_next); these loads keep many misses in flight: 25 GB/s
+ * (small-llama's decode batch over its layers' 2 GiB pool on an AVX512-BF16 EPYC;
+ * loadtest/cpu_attention_bench.py's "from DRAM" cases). Whole-line vector loads: one scalar load
+ * per line measured 20 GB/s. */
 static inline void touch_tile(const char *k_base, const char *v_base, const int64_t *rows, int n, int64_t width_bytes) {
     vline sink = {0};
     for (int t = 0; t < n; t++)
@@ -302,7 +302,8 @@ static inline void prefetch_item_start(const Problem *pr, int64_t item) {
  * the item's keys are in cache already), or after its last tile the first tile of `next`, the item
  * this thread runs next (-1: none, or one whose keys are in cache). From DRAM on the Zen 4 EPYC,
  * two threads (loadtest/cpu_attention_bench.py --against, 2026-12-07): tiny-llama 1.22-1.28x,
- * small-llama 1.12-1.17x on AVX512-BF16 (run_item_dpbf16); 1.11x and 1.59x built for haswell
+ * small-llama 1.12-1.17x on AVX512-BF16 (run_item_dpbf16) while the machine was quiet, 1.00-1.05x
+ * in its busier hours (a VM whose neighbours share the memory); 1.11x and 1.59x built for haswell
  * (AVX2, run_item); small-llama's offline round spent 3.25 and 3.56 s in attention against 3.62
  * and 3.75 (alternated). A touch_tile of the next tile instead would wait for its misses; the
  * prefetches alone, without touch_tile, do not keep enough misses in flight (see there). */
