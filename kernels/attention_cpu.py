@@ -10,8 +10,8 @@ keeps it off the tiles), built on first use with the system C compiler
 (`-O3 -march=native -fopenmp`, about a second; $PARKADE_CPU_MARCH picks another -march) into
 `$PARKADE_HOME/kernels/`, keyed by source, flags, compiler and CPU, and called through ctypes,
 which releases the GIL. The same library holds
-`csrc/race.c`, the sampler's exponential race (`kernels/race.py`), and `csrc/linear_amx.c`, the
-AMX linear layers (`kernels/linear_cpu.py`): one build, one load.
+`csrc/race.c`, the sampler's exponential race (`kernels/race.py`), and `csrc/linear_amx.c` and
+`csrc/linear_dpbf16.c`, the packed linear layers (`kernels/linear_cpu.py`): one build, one load.
 
 Threads: the kernel splits its work items (query row, KV heads) by cost over an OpenMP team of
 `torch.get_num_threads()`. It links the libgomp that torch itself loaded (same soname: the loader
@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 RACE_SOURCE = SOURCE.with_name("race.c")  # compiled into the same library
-LINEAR_SOURCE = SOURCE.with_name("linear_amx.c")  # and this (kernels/linear_cpu.py)
+LINEAR_SOURCE = SOURCE.with_name("linear_amx.c")  # and these two (kernels/linear_cpu.py)
+LINEAR_DPBF16_SOURCE = SOURCE.with_name("linear_dpbf16.c")
 HEADERS = ("attention_amx.h", "amx_tiles.h")  # included by the sources, beside them: in the build's key
 # -fassociative-math (with the two flags it needs) lets the compiler vectorize the dot products'
 # reductions; no -ffinite-math-only: the online softmax starts from -inf.
@@ -110,7 +111,7 @@ def _cache_dir() -> Path:
 
 def _build_library(compiler: str, version: str, flags: tuple[str, ...]) -> Path:
     """Compile the kernels with `flags` unless a build of these sources, flags, compiler and CPU exists."""
-    sources = (SOURCE, RACE_SOURCE, LINEAR_SOURCE)
+    sources = (SOURCE, RACE_SOURCE, LINEAR_SOURCE, LINEAR_DPBF16_SOURCE)
     headers = [h for h in (SOURCE.with_name(name) for name in HEADERS) if h.exists()]
     texts = [s.read_text() for s in (*sources, *headers)]
     key = "\0".join([*texts, *flags, compiler, version, _cpu_identity()])
@@ -194,6 +195,11 @@ def library() -> ctypes.CDLL:
     lib.parkade_linear_amx_available.argtypes = []
     lib.parkade_linear_amx.restype = ctypes.c_int
     lib.parkade_linear_amx.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32]
+    if hasattr(lib, "parkade_linear_dpbf16"):  # a build from before it (cpu_attention_bench) has not
+        lib.parkade_linear_dpbf16_available.restype = ctypes.c_int
+        lib.parkade_linear_dpbf16_available.argtypes = []
+        lib.parkade_linear_dpbf16.restype = ctypes.c_int
+        lib.parkade_linear_dpbf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i32]
     return lib
 
 

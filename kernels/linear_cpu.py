@@ -1,21 +1,27 @@
-"""bf16 linear layers on AMX tiles (`csrc/linear_amx.c`), for a CPU executor's weights.
+"""bf16 linear layers on a CPU's AMX tiles (`csrc/linear_amx.c`) or, without them, on AVX512-BF16
+vector units (`csrc/linear_dpbf16.c`), for a CPU executor's weights.
 
 A decode step multiplies a few rows by every weight of the model, so it is bound by reading the
-weights from DRAM; the kernel streams each weight once, in a layout packed for the tiles at start
-(`pack_weight`), at about what two cores read (see the C file for the numbers). `DecoderLM.use_packed_linears`
-packs a model's matmuls (q/k/v and gate/up concatenated) and calls them through the op
-`parkade::linear_amx`, which torch.compile keeps whole, as it keeps `parkade::paged_attention`.
+weights from DRAM; the kernels stream each weight once, in a layout packed for them at start
+(`pack_weight`; both read the same one). `DecoderLM.use_packed_linears` packs a model's matmuls
+(q/k/v and gate/up concatenated) and calls them through the op `parkade::linear_amx`, which
+torch.compile keeps whole, as it keeps `parkade::paged_attention`. Steps of more rows than the
+kernel's `max_rows` (a prefill) go to oneDNN on a copy of the weight prepacked for it at start
+(`prepack_onednn`, as inductor's freezing packs the weights it sees: 4-7 % faster than `F.linear`
+on the plain weight at 256-4,096 rows of small-llama on a Zen 4 EPYC, 2026-12-07).
 
 It serves where `serves(dtype)` says: bf16 weights, a library built with AMX on a CPU that has it
-(Linux grants the tiles; `PARKADE_CPU_AMX=0` turns them off, as for attention), and OpenMP
-threads shared with torch. `PARKADE_CPU_PACKED_LINEARS=0` leaves the matmuls to oneDNN.
-The kernel lives in the attention library (`attention_cpu.library()`): one build, one load.
+(Linux grants the tiles; `PARKADE_CPU_AMX=0` turns them off, as for attention) or built with
+AVX512-BF16, and OpenMP threads shared with torch. `PARKADE_CPU_PACKED_LINEARS=0` leaves the
+matmuls to oneDNN. The kernels live in the attention library (`attention_cpu.library()`): one
+build, one load.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -23,26 +29,67 @@ import torch.nn.functional as F
 
 from parkade.kernels import attention_cpu
 
-__all__ = ["linear", "pack_weight", "serves"]
+__all__ = ["Kernel", "kernel", "linear", "pack_weight", "prepack_onednn", "serves"]
 
 TILE_K = 32  # K per tile step: 16 bf16 pairs
 PANEL = 32  # output columns per packed panel: two 16-column tiles
-# Rows above which oneDNN's matmul (on the unpacked weight) is as fast: a step of more tokens
-# (a prefill) is bound by the multiplies, not by reading the weights. Measured on small-llama's
-# weights, two cores of an AMX Xeon (loadtest/linear_bench.py): this kernel 21.6 ms against
-# 28.4 at 128 rows, 32.1 against 35.7 at 256, 46.7 against 45.8 at 384.
-MAX_ROWS = 256
 
 
-def serves(dtype: torch.dtype) -> bool:
-    """Whether linears of this dtype run on the AMX kernel here."""
-    if dtype != torch.bfloat16 or os.environ.get("PARKADE_CPU_PACKED_LINEARS", "1") == "0":
-        return False
+@dataclass(frozen=True)
+class Kernel:
+    """The packed-linear kernel this CPU runs: its name, C function, and the rows it takes (others
+    go to oneDNN)."""
+
+    name: str
+    run: Callable[..., int]
+    max_rows: int
+
+
+# AMX: rows above which oneDNN's matmul is as fast: a step of more tokens (a prefill) is bound by
+# the multiplies, not by reading the weights. Measured on small-llama's weights, two cores of an AMX
+# Xeon (loadtest/linear_bench.py): this kernel 21.6 ms against 28.4 at 128 rows, 32.1 against 35.7
+# at 256, 46.7 against 45.8 at 384.
+AMX_MAX_ROWS = 256
+# AVX512-BF16 (no AMX): small-llama's step on a Zen 4 EPYC, two threads, against oneDNN prepacked
+# (loadtest/linear_bench.py, 2026-12-07): see the numbers in docs/benchmarks.md.
+DPBF16_MAX_ROWS = 64
+
+
+@cache
+def kernel() -> Kernel | None:
+    """AMX where the tiles run, else AVX512-BF16 where the library has it; None: neither."""
     try:
         lib = attention_cpu.library()
     except attention_cpu.KernelBuildError:
+        return None
+    if lib.parkade_linear_amx_available():
+        return Kernel("amx", lib.parkade_linear_amx, AMX_MAX_ROWS)
+    if hasattr(lib, "parkade_linear_dpbf16") and lib.parkade_linear_dpbf16_available():
+        return Kernel("avx512_bf16", lib.parkade_linear_dpbf16, DPBF16_MAX_ROWS)
+    return None
+
+
+def serves(dtype: torch.dtype) -> bool:
+    """Whether linears of this dtype run on a packed-linear kernel here."""
+    if dtype != torch.bfloat16 or os.environ.get("PARKADE_CPU_PACKED_LINEARS", "1") == "0":
         return False
-    return bool(lib.parkade_linear_amx_available()) and attention_cpu.shared_openmp()
+    return kernel() is not None and attention_cpu.shared_openmp()
+
+
+# oneDNN's own packed copies of weights, for the steps of more rows than the kernel takes: a list
+# indexed by `prepack_onednn`'s handle (an int the compiled graph keeps as a constant, where an
+# opaque oneDNN tensor would not trace). Entries live as long as the process, as the weights do.
+_ONEDNN: list[torch.Tensor] = []
+
+
+def prepack_onednn(weight: torch.Tensor) -> int:
+    """weight [N, K] -> a handle to oneDNN's packed copy of it, or -1 where oneDNN cannot pack it
+    (its plain weight then serves those steps, through F.linear)."""
+    try:
+        _ONEDNN.append(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+    except (RuntimeError, AttributeError):
+        return -1
+    return len(_ONEDNN) - 1
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -57,18 +104,22 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return w.contiguous().view(panels, steps * 1024)
 
 
-@cache
-def _kernel() -> Callable[..., int]:
-    return attention_cpu.library().parkade_linear_amx
-
-
 def linear(
-    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    onednn: int = -1,
 ) -> torch.Tensor:
     """x [M, K] bf16 -> x W^T + bias [M, out_features] bf16: W = `weight` [out_features, K], and
-    `packed` its `pack_weight`. Up to MAX_ROWS rows on the AMX kernel; more go to oneDNN (F.linear)."""
+    `packed` its `pack_weight`. Up to the kernel's max_rows rows on the kernel; more (or where no
+    kernel runs) on oneDNN: its packed copy `onednn` (`prepack_onednn`'s handle), else F.linear."""
     m, k = x.shape
-    if m > MAX_ROWS:
+    chosen = kernel()
+    if chosen is None or m > chosen.max_rows:
+        if onednn >= 0:
+            return torch.ops.mkldnn._linear_pointwise(x, _ONEDNN[onednn], bias, "none", [], "")
         return F.linear(x, weight, bias)
     # Checked here, cheaply, because the kernel trusts them: it reads k columns of every packed row.
     if not (x.dtype == packed.dtype == torch.bfloat16 and weight.shape == (out_features, k)) or (
@@ -80,22 +131,23 @@ def linear(
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.stride(0) != 1):
         bias = bias.to(torch.bfloat16).contiguous()
     out = x.new_empty((m, out_features))
-    rc = _kernel()(
+    rc = chosen.run(
         x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), out_features,
         None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, torch.get_num_threads(),
     )  # fmt: skip
     if rc:
-        raise RuntimeError("the AMX linear kernel cannot run here (no AMX tiles, or out of memory)")
+        raise RuntimeError(f"the {chosen.name} linear kernel cannot run here (no AMX tiles, or no memory)")
     return out
 
 
 _LIBRARY = torch.library.Library("parkade", "FRAGMENT")
 _LIBRARY.define(
-    "linear_amx(Tensor x, Tensor packed, Tensor weight, Tensor? bias, int out_features) -> Tensor"
+    "linear_amx(Tensor x, Tensor packed, Tensor weight, Tensor? bias, int out_features, int onednn=-1)"
+    " -> Tensor"
 )
 _LIBRARY.impl("linear_amx", linear, "CPU")
 
 
 @torch.library.register_fake("parkade::linear_amx")
-def _(x, packed, weight, bias, out_features):
+def _(x, packed, weight, bias, out_features, onednn=-1):
     return x.new_empty((x.shape[0], out_features))

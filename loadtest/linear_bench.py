@@ -1,11 +1,13 @@
-"""A step's matmuls on a CPU: Parkade's AMX kernel (`kernels/linear_cpu.py`) against oneDNN.
+"""A step's matmuls on a CPU: Parkade's packed-linear kernel (`kernels/linear_cpu.py`: AMX, or
+AVX512-BF16 without it) against oneDNN.
 
 Every matmul of one forward step of a model (per layer q/k/v in one, o, gate/up in one, down; then
 the head), random bf16 weights of the model's shapes, for several row counts: the weights are
 read from DRAM as in a decode step (together far larger than the cache, for models of ~100M
-parameters up). Three ways: `amx` (this kernel, weights packed once), `onednn_packed` (oneDNN on
-weights prepacked as inductor's freezing does) and `onednn` (`F.linear` on the plain weight, what
-`linear_cpu` hands steps of more than MAX_ROWS rows). Prints JSON: ms per step and GB/s of weights.
+parameters up). Three ways: `kernel` (this kernel, weights packed once), `onednn_packed` (oneDNN on
+weights prepacked as inductor's freezing does, what `linear_cpu` hands steps of more than the
+kernel's max_rows) and `onednn` (`F.linear` on the plain weight). Prints JSON: ms per step and GB/s
+of weights.
 
     .venv/bin/python loadtest/linear_bench.py --model /path/to/model --rows 1 16 64 256 1024
 """
@@ -53,14 +55,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="steps timed per way and row count (best kept)")
     args = parser.parse_args()
     if not linear_cpu.serves(torch.bfloat16):
-        raise SystemExit("the AMX linear kernel does not serve on this CPU (no AMX tiles, or turned off)")
+        raise SystemExit("no packed-linear kernel serves on this CPU (no AMX, no AVX512-BF16, or turned off)")
+    chosen = linear_cpu.kernel()
     weights = [0.02 * torch.randn(n, k, dtype=torch.bfloat16) for n, k in step_shapes(model_dims(args.model))]
     packed = [linear_cpu.pack_weight(w) for w in weights]
     prepacked = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     onednn_linear = torch.ops.mkldnn._linear_pointwise
     ways = {
-        "amx": lambda x, i: linear_cpu.linear(x, packed[i], weights[i], None, weights[i].shape[0]),
+        "kernel": lambda x, i: linear_cpu.linear(x, packed[i], weights[i], None, weights[i].shape[0]),
         "onednn_packed": lambda x, i: onednn_linear(x, prepacked[i], None, "none", [], ""),
         "onednn": lambda x, i: F.linear(x, weights[i]),
     }
@@ -69,8 +72,8 @@ def main() -> None:
         inputs = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in {w.shape[1] for w in weights}}
         row: dict[str, object] = {"rows": m}
         for name, way in ways.items():
-            if name == "amx" and m > linear_cpu.MAX_ROWS:
-                continue  # linear() hands these to F.linear: the `onednn` column
+            if name == "kernel" and m > chosen.max_rows:
+                continue  # linear() hands these to oneDNN: the `onednn_packed` column
             best = float("inf")
             for _ in range(args.repeat + 1):  # the first is a warm-up
                 start = time.perf_counter()
@@ -83,7 +86,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     summary = {
         "cpu": cpu_description(), "torch_threads": torch.get_num_threads(),
-        "weight_mb": round(weight_bytes / 1e6, 1), "max_rows": linear_cpu.MAX_ROWS, "rows": rows_out,
+        "weight_mb": round(weight_bytes / 1e6, 1), "kernel": chosen.name,
+        "max_rows": chosen.max_rows, "rows": rows_out,
     }  # fmt: skip
     print(json.dumps(summary))
 

@@ -83,8 +83,8 @@ class Executor:
         )
         if self.fp32_matmuls:
             self.model.use_fp32_matmuls()
-        # A CPU with AMX computes bf16 matmuls with Parkade's kernel on weights packed now
-        # (kernels/linear_cpu.py): a decode step reads them at DRAM rate, where oneDNN's did not.
+        # A CPU with AMX or AVX512-BF16 computes a decode step's bf16 matmuls with Parkade's kernel on
+        # weights packed now (kernels/linear_cpu.py): it streams them while it computes.
         self.packed_linears = (
             device.type == "cpu" and not self.fp32_matmuls and linear_cpu.serves(model_config.dtype)
         )

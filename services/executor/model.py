@@ -107,8 +107,9 @@ class Linear(nn.Linear):
 
 
 class PackedLinear(nn.Module):
-    """Linears of one input, concatenated along their outputs and packed once for the CPU's AMX
-    kernel (`kernels/linear_cpu.py`): one call of the op `parkade::linear_amx` computes them all.
+    """Linears of one input, concatenated along their outputs and packed once for the CPU's packed-linear
+    kernel (`kernels/linear_cpu.py`: AMX or AVX512-BF16): one call of the op `parkade::linear_amx`
+    computes them all.
     `splits` are the parts' output sizes, in order. See `DecoderLM.use_packed_linears`."""
 
     def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
@@ -117,9 +118,11 @@ class PackedLinear(nn.Module):
         super().__init__()
         weight = parts[0][0] if len(parts) == 1 else torch.cat([w for w, _ in parts])  # (a tied head: shared)
         self.packed = nn.Parameter(linear_cpu.pack_weight(weight), requires_grad=False)
-        # Kept for steps of many rows, which oneDNN serves as fast (linear_cpu.MAX_ROWS); the
-        # compiled forward kept oneDNN's own packed copy of every weight beside the module's anyway.
+        # Steps of many rows (past the kernel's max_rows) go to oneDNN, on its own packed copy (as the
+        # compiled forward would have made of every weight beside the module's anyway); the plain
+        # weight is kept for the op's checks and where oneDNN cannot pack it.
         self.weight = nn.Parameter(weight, requires_grad=False)
+        self.onednn = linear_cpu.prepack_onednn(weight)
         self.bias = None
         if any(b is not None for _, b in parts):
             biases = [torch.zeros(w.shape[0], dtype=w.dtype) if b is None else b for w, b in parts]
@@ -132,7 +135,8 @@ class PackedLinear(nn.Module):
         return cls([(linear.weight, linear.bias) for linear in linears])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.parkade.linear_amx(x, self.packed, self.weight, self.bias, self.out_features)
+        packed, onednn = self.packed, self.onednn
+        return torch.ops.parkade.linear_amx(x, packed, self.weight, self.bias, self.out_features, onednn)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -264,7 +268,7 @@ class DecoderLM(nn.Module):
             self.logits_weight = self.model.embed_tokens.weight.float()
 
     def use_packed_linears(self) -> None:
-        """Compute every matmul with the CPU's AMX kernel (`kernels/linear_cpu.py`, bf16 weights),
+        """Compute every matmul with the CPU's packed-linear kernel (`kernels/linear_cpu.py`, bf16 weights),
         on weights packed now: q/k/v in one, gate/up in one, o, down and the head. Each keeps its
         (concatenated) weight too, for steps of many rows; the modules they replace become None.
         A tied head keeps the embedding and adds its copies."""

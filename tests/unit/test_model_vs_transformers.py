@@ -220,7 +220,8 @@ def test_fp32_matmuls_compute_what_bf16_matmuls_do(tmp_path):
 
 
 @pytest.mark.skipif(
-    not linear_cpu.serves(torch.bfloat16), reason="the AMX linear kernel serves only on a CPU with AMX tiles"
+    not linear_cpu.serves(torch.bfloat16),
+    reason="a packed-linear kernel serves only on a CPU with AMX tiles or AVX512-BF16",
 )
 @pytest.mark.parametrize(
     ("family", "overrides"),

@@ -1,0 +1,172 @@
+/* bf16 linear layers on AVX512-BF16 vector units (VDPBF16PS), for a CPU without AMX tiles:
+ * out[M, N] = x[M, K] W[N, K]^T (+ bias), fp32 accumulation, for the few rows of a decode step.
+ *
+ * Built into the same library as paged_attention.c and linear_amx.c, whose packed weight layout it
+ * reads (kernels/linear_cpu.py pack_weight): panel p holds output columns [32p, 32p + 32) over all
+ * of K as K/32 steps of two 16-column halves, each half 16 rows of bf16 pairs,
+ *     packed[p][s][t][r][j][e] = W[32p + 16t + j][32s + 2r + e],
+ * so row r of a half is one 64-byte vector: lane j holds the pair (k = 32s + 2r, +1) of column
+ * 16t + j, which VDPBF16PS multiplies by the same pair of an x row broadcast to every lane. The
+ * accumulators (a block of up to BLOCK rows x 32 columns: 2 * BLOCK registers) stay in registers
+ * over all of K, and each output is rounded to bf16 once.
+ *
+ * Why: a decode step multiplies a few rows by every weight, which (small-llama: 164 MB) comes from
+ * DRAM. oneDNN's prepacked matmul (what inductor's freezing uses) streams them and then computes;
+ * here a thread streams its panels front to back, the first block of rows reading a panel from
+ * DRAM (prefetched PREFETCH_STEPS K steps ahead) and the later blocks from L2 while they fetch the
+ * thread's next panel into L2, so that the memory works while the arithmetic does (numbers:
+ * kernels/linear_cpu.py, where MIN_ROWS and MAX_ROWS are chosen).
+ *
+ * Threads split the panels; K past the weight's end is zero in the packed layout, and x's last
+ * partial K step is staged zero padded, so that no lane reads past a row or multiplies stale data.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define LINEAR_DPBF16 1
+#else
+#define LINEAR_DPBF16 0
+#endif
+
+#define BLOCK 12         /* rows per register block: 24 accumulators, 2 weight vectors, 1 broadcast */
+#define PREFETCH_STEPS 8 /* K steps (2 KB of a panel each) fetched ahead on a panel's first block */
+
+typedef uint16_t bf16;
+
+/* Whether parkade_linear_dpbf16 runs here: built for a CPU with AVX512-BF16. */
+int parkade_linear_dpbf16_available(void) { return LINEAR_DPBF16; }
+
+#if LINEAR_DPBF16
+/* acc[i][t] += the 16 pair rows of one K step of a panel (`b`, 1024 bf16) times rows i < R of x at
+ * `xs` (row stride ldx, 32 bf16 of each row read). */
+static inline __attribute__((always_inline)) void k_step(const bf16 *b, const bf16 *xs, int64_t ldx, const int R,
+                                                         __m512 acc[BLOCK][2]) {
+    for (int r = 0; r < 16; r++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + 32 * r);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 512 + 32 * r);
+        for (int i = 0; i < R; i++) {
+            int32_t pair;
+            memcpy(&pair, xs + i * ldx + 2 * r, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, b0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, b1);
+        }
+    }
+}
+
+/* Where a thread's next panel is fetched into L2 over the later blocks of this one. */
+typedef struct {
+    const char *at, *end;
+    int64_t per_step; /* bytes per K step of the later blocks, whole lines */
+} Fetch;
+
+/* Rows [0, R) of x (R a constant where inlined) times one panel of k_full whole K steps plus, if
+ * tail > 0, one step of `tail` K values; -> acc. `first`: this block reads the panel from DRAM. */
+static inline __attribute__((always_inline)) void run_block(const bf16 *x, int64_t ldx, const int R, const bf16 *panel,
+                                                            int64_t k_full, int tail, int first, Fetch *fetch,
+                                                            __m512 acc[BLOCK][2]) {
+    for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    const bf16 *b = panel;
+    for (int64_t s = 0; s < k_full; s++, b += 1024) {
+        if (first) {
+            const char *ahead = (const char *)(b + PREFETCH_STEPS * 1024);
+            for (int line = 0; line < 2048; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        } else {
+            for (int64_t line = 0; line < fetch->per_step && fetch->at < fetch->end; line += 64, fetch->at += 64)
+                _mm_prefetch(fetch->at, _MM_HINT_T1);
+        }
+        k_step(b, x + 32 * s, ldx, R, acc);
+    }
+    if (tail) { /* the last K values, zero padded to a step as the packed weight is */
+        bf16 staged[BLOCK][32];
+        for (int i = 0; i < R; i++) {
+            memset(staged[i], 0, sizeof staged[i]);
+            memcpy(staged[i], x + i * ldx + 32 * k_full, 2 * (size_t)tail);
+        }
+        k_step(b, staged[0], 32, R, acc);
+    }
+}
+
+/* acc rows [0, R) -> out rows [row0, row0 + R) x columns [col0, col0 + 32) (those below n), plus
+ * bias, rounded to bf16 (nearest even). */
+static void store_block(int R, __m512 acc[BLOCK][2], int64_t row0, int64_t col0, int64_t n, const bf16 *bias,
+                        bf16 *out, int64_t ldo) {
+    for (int t = 0; t < 2; t++) {
+        const int64_t c0 = col0 + 16 * t;
+        if (c0 >= n) break;
+        const __mmask16 cols = n - c0 >= 16 ? 0xffff : (__mmask16)((1u << (n - c0)) - 1);
+        __m512 bv = _mm512_setzero_ps();
+        if (bias)
+            bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols, bias + c0)), 16));
+        for (int i = 0; i < R; i++)
+            _mm256_mask_storeu_epi16(out + (row0 + i) * ldo + c0, cols,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][t], bv)));
+    }
+}
+
+#define BLOCK_CASE(RR)                                                                              \
+    case RR:                                                                                        \
+        run_block(x + row0 * ldx, ldx, RR, panel, k_full, tail, block == 0, &fetch, acc);          \
+        break;
+
+/* One thread's panels [first, last), every block of rows over each. */
+static void run_panels(const bf16 *x, int64_t ldx, int64_t m, int64_t k, const bf16 *packed, int64_t n,
+                       const bf16 *bias, bf16 *out, int64_t ldo, int64_t first, int64_t last) {
+    const int64_t k_steps = (k + 31) / 32, k_full = k / 32, blocks = (m + BLOCK - 1) / BLOCK;
+    const int tail = (int)(k % 32);
+    __m512 acc[BLOCK][2];
+    for (int64_t p = first; p < last; p++) {
+        const bf16 *panel = packed + p * k_steps * 1024;
+        Fetch fetch = {NULL, NULL, 0};
+        if (p + 1 < last && blocks > 1) { /* spread over the later blocks' K steps, in whole lines */
+            const int64_t bytes = k_steps * 2048, later_steps = (blocks - 1) * k_full;
+            fetch.at = (const char *)(panel + k_steps * 1024);
+            fetch.end = fetch.at + bytes;
+            fetch.per_step = later_steps > 0 ? (bytes / later_steps + 64) / 64 * 64 : 0;
+        }
+        for (int64_t block = 0; block < blocks; block++) {
+            const int64_t row0 = m * block / blocks, row1 = m * (block + 1) / blocks;
+            switch ((int)(row1 - row0)) { /* a constant R for each: the accumulators in registers */
+                BLOCK_CASE(1) BLOCK_CASE(2) BLOCK_CASE(3) BLOCK_CASE(4) BLOCK_CASE(5) BLOCK_CASE(6)
+                BLOCK_CASE(7) BLOCK_CASE(8) BLOCK_CASE(9) BLOCK_CASE(10) BLOCK_CASE(11) BLOCK_CASE(12)
+            default: break; /* not reached: blocks split m into at most BLOCK rows each */
+            }
+            store_block((int)(row1 - row0), acc, row0, 32 * p, n, bias, out, ldo);
+        }
+    }
+}
+#endif
+
+/* out[m, n] (row stride ldo) = x[m, k] (row stride ldx) . W^T + bias, all bf16; `packed` as above
+ * (n and k padded to multiples of 32), bias NULL or [n]. -> 0, or -1 where the kernel is not built
+ * (no AVX512-BF16). */
+int parkade_linear_dpbf16(const bf16 *x, int64_t ldx, int64_t m, int64_t k, const bf16 *packed, int64_t n,
+                          const bf16 *bias, bf16 *out, int64_t ldo, int num_threads) {
+#if LINEAR_DPBF16
+    if (m <= 0 || n <= 0) return 0;
+    const int64_t panels = (n + 31) / 32;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > panels) num_threads = (int)panels;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(num_threads)
+#endif
+    {
+#ifdef _OPENMP
+        const int threads = omp_get_num_threads(), id = omp_get_thread_num();
+#else
+        const int threads = 1, id = 0;
+#endif
+        run_panels(x, ldx, m, k, packed, n, bias, out, ldo, panels * id / threads, panels * (id + 1) / threads);
+    }
+    return 0;
+#else
+    (void)x, (void)ldx, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)ldo,
+        (void)num_threads;
+    return -1;
+#endif
+}
