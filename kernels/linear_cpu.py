@@ -50,8 +50,10 @@ class Kernel:
 # Xeon (loadtest/linear_bench.py): this kernel 21.6 ms against 28.4 at 128 rows, 32.1 against 35.7
 # at 256, 46.7 against 45.8 at 384.
 AMX_MAX_ROWS = 256
-# AVX512-BF16 (no AMX): small-llama's step on a Zen 4 EPYC, two threads, against oneDNN prepacked
-# (loadtest/linear_bench.py, 2026-12-07): see the numbers in docs/benchmarks.md.
+# AVX512-BF16 (no AMX): rows up to which the kernel reads the weights faster than oneDNN's prepacked
+# matmul computes: small-llama's step on a Zen 4 EPYC, two threads (loadtest/linear_bench.py,
+# 2026-12-07), 8.2 against 9.9 ms at 16 rows, 13.5 / 15.7 at 32, 20.0 / 22.3 at 48, 28.4 / 28.2 at 64;
+# in its offline round, decode steps 8.2-8.4 s against 9.2-10.2 (docs/benchmarks.md).
 DPBF16_MAX_ROWS = 64
 
 
@@ -107,22 +109,26 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def linear(
     x: torch.Tensor,
     packed: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     out_features: int,
     onednn: int = -1,
 ) -> torch.Tensor:
-    """x [M, K] bf16 -> x W^T + bias [M, out_features] bf16: W = `weight` [out_features, K], and
-    `packed` its `pack_weight`. Up to the kernel's max_rows rows on the kernel; more (or where no
-    kernel runs) on oneDNN: its packed copy `onednn` (`prepack_onednn`'s handle), else F.linear."""
+    """x [M, K] bf16 -> x W^T + bias [M, out_features] bf16: W [out_features, K], `packed` its
+    `pack_weight`. Up to the kernel's max_rows rows on the kernel; more (or where no kernel runs) on
+    oneDNN: its packed copy `onednn` (`prepack_onednn`'s handle), else F.linear on `weight` (W
+    itself, or None where `onednn` is given: its only other use is the check below)."""
     m, k = x.shape
     chosen = kernel()
     if chosen is None or m > chosen.max_rows:
         if onednn >= 0:
             return torch.ops.mkldnn._linear_pointwise(x, _ONEDNN[onednn], bias, "none", [], "")
+        if weight is None:
+            raise ValueError("a packed linear without a oneDNN copy needs its plain weight")
         return F.linear(x, weight, bias)
     # Checked here, cheaply, because the kernel trusts them: it reads k columns of every packed row.
-    if not (x.dtype == packed.dtype == torch.bfloat16 and weight.shape == (out_features, k)) or (
+    fits = weight is None or weight.shape == (out_features, k)
+    if not (fits and x.dtype == packed.dtype == torch.bfloat16) or (
         packed.shape != (-(-out_features // PANEL), -(-k // TILE_K) * 1024)
     ):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit packed weights {tuple(packed.shape)}")
@@ -142,7 +148,7 @@ def linear(
 
 _LIBRARY = torch.library.Library("parkade", "FRAGMENT")
 _LIBRARY.define(
-    "linear_amx(Tensor x, Tensor packed, Tensor weight, Tensor? bias, int out_features, int onednn=-1)"
+    "linear_amx(Tensor x, Tensor packed, Tensor? weight, Tensor? bias, int out_features, int onednn=-1)"
     " -> Tensor"
 )
 _LIBRARY.impl("linear_amx", linear, "CPU")

@@ -118,11 +118,12 @@ class PackedLinear(nn.Module):
         super().__init__()
         weight = parts[0][0] if len(parts) == 1 else torch.cat([w for w, _ in parts])  # (a tied head: shared)
         self.packed = nn.Parameter(linear_cpu.pack_weight(weight), requires_grad=False)
-        # Steps of many rows (past the kernel's max_rows) go to oneDNN, on its own packed copy (as the
-        # compiled forward would have made of every weight beside the module's anyway); the plain
-        # weight is kept for the op's checks and where oneDNN cannot pack it.
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        # Steps of many rows (past the kernel's max_rows) go to oneDNN, on its own packed copy, as
+        # the compiled forward would have made of every weight. The plain weight is kept only where
+        # oneDNN cannot pack it: two copies of the weights in memory, not three.
         self.onednn = linear_cpu.prepack_onednn(weight)
+        self.weight = nn.Parameter(weight, requires_grad=False) if self.onednn < 0 else None
+        self.in_features = weight.shape[1]
         self.bias = None
         if any(b is not None for _, b in parts):
             biases = [torch.zeros(w.shape[0], dtype=w.dtype) if b is None else b for w, b in parts]
@@ -135,6 +136,8 @@ class PackedLinear(nn.Module):
         return cls([(linear.weight, linear.bias) for linear in linears])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:  # the op checks it against `weight`, which may be gone
+            raise ValueError(f"x has {x.shape[-1]} features, the packed linear {self.in_features}")
         packed, onednn = self.packed, self.onednn
         return torch.ops.parkade.linear_amx(x, packed, self.weight, self.bias, self.out_features, onednn)
 
