@@ -44,6 +44,17 @@ typedef uint16_t bf16;
 int parkade_linear_dpbf16_available(void) { return LINEAR_DPBF16; }
 
 #if LINEAR_DPBF16
+/* This thread's share [*first, *last) of `total` panels, in an OpenMP team (or alone). */
+static inline void team_share(int64_t total, int64_t *first, int64_t *last) {
+#ifdef _OPENMP
+    const int threads = omp_get_num_threads(), id = omp_get_thread_num();
+#else
+    const int threads = 1, id = 0;
+#endif
+    *first = total * id / threads;
+    *last = total * (id + 1) / threads;
+}
+
 /* acc[i][t] += the 16 pair rows of one K step of a panel (`b`, 1024 bf16) times rows i < R of x at
  * `xs` (row stride ldx, 32 bf16 of each row read). */
 static inline __attribute__((always_inline)) void k_step(const bf16 *b, const bf16 *xs, int64_t ldx, const int R,
@@ -158,17 +169,14 @@ int parkade_linear_dpbf16(const bf16 *x, int64_t ldx, int64_t m, int64_t k, cons
 #pragma omp parallel num_threads(num_threads)
 #endif
     {
-#ifdef _OPENMP
-        const int threads = omp_get_num_threads(), id = omp_get_thread_num();
-#else
-        const int threads = 1, id = 0;
-#endif
-        run_panels(x, ldx, m, k, packed, n, bias, out, ldo, panels * id / threads, panels * (id + 1) / threads);
+        int64_t first, last;
+        team_share(panels, &first, &last);
+        run_panels(x, ldx, m, k, packed, n, bias, out, ldo, first, last);
     }
     return 0;
 #else
-    (void)x, (void)ldx, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)out, (void)ldo,
-        (void)num_threads;
-    return -1;
+    (void)x, (void)ldx, (void)m, (void)k, (void)packed, (void)n;
+    (void)bias, (void)out, (void)ldo, (void)num_threads;
+    return -1; /* not built for AVX512-BF16 */
 #endif
 }
