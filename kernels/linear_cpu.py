@@ -19,7 +19,9 @@ build, one load.
 
 from __future__ import annotations
 
+import itertools
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -78,20 +80,27 @@ def serves(dtype: torch.dtype) -> bool:
     return kernel() is not None and attention_cpu.shared_openmp()
 
 
-# oneDNN's own packed copies of weights, for the steps of more rows than the kernel takes: a list
-# indexed by `prepack_onednn`'s handle (an int the compiled graph keeps as a constant, where an
-# opaque oneDNN tensor would not trace). Entries live as long as the process, as the weights do.
-_ONEDNN: list[torch.Tensor] = []
+# oneDNN's own packed copies of weights, for the steps of more rows than the kernel takes, by
+# `prepack_onednn`'s handle (an int the compiled graph keeps as a constant, where an opaque oneDNN
+# tensor would not trace). An entry lives as long as its owner (the module that calls the op with
+# its handle): a model built anew in the same process does not keep the old one's copies.
+_ONEDNN: dict[int, torch.Tensor] = {}
+_HANDLES = itertools.count()
 
 
-def prepack_onednn(weight: torch.Tensor) -> int:
-    """weight [N, K] -> a handle to oneDNN's packed copy of it, or -1 where oneDNN cannot pack it
-    (its plain weight then serves those steps, through F.linear)."""
+def prepack_onednn(weight: torch.Tensor, owner: object | None = None) -> int:
+    """weight [N, K] -> a handle to oneDNN's packed copy of it, dropped once `owner` is (None: kept
+    for the process's life); -1 where oneDNN cannot pack it (the plain weight then serves those
+    steps, through F.linear)."""
     try:
-        _ONEDNN.append(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        prepacked = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
     except (RuntimeError, AttributeError):
         return -1
-    return len(_ONEDNN) - 1
+    handle = next(_HANDLES)
+    _ONEDNN[handle] = prepacked
+    if owner is not None:
+        weakref.finalize(owner, _ONEDNN.pop, handle, None)
+    return handle
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -121,7 +121,7 @@ class PackedLinear(nn.Module):
         # Steps of many rows (past the kernel's max_rows) go to oneDNN, on its own packed copy, as
         # the compiled forward would have made of every weight. The plain weight is kept only where
         # oneDNN cannot pack it: two copies of the weights in memory, not three.
-        self.onednn = linear_cpu.prepack_onednn(weight)
+        self.onednn = linear_cpu.prepack_onednn(weight, owner=self)
         self.weight = nn.Parameter(weight, requires_grad=False) if self.onednn < 0 else None
         self.in_features = weight.shape[1]
         self.bias = None

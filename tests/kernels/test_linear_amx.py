@@ -13,6 +13,8 @@ tests/unit/test_model_vs_transformers.py.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,12 +84,16 @@ def test_rows_of_a_wider_tensor_and_many_rows_go_right():
     assert_matches_torch(linear_cpu.linear(x, packed, w, None, 96), F.linear(x, w))
     many = torch.randn(linear_cpu.kernel().max_rows + 1, 64).bfloat16()  # oneDNN's side of max_rows
     assert torch.equal(linear_cpu.linear(many, packed, w, None, 96), F.linear(many, w))
-    onednn = linear_cpu.prepack_onednn(w)  # oneDNN's packed copy serves them where there is one
+    owner = torch.nn.Module()
+    onednn = linear_cpu.prepack_onednn(w, owner)  # oneDNN's packed copy serves them where there is one
     assert onednn >= 0
     out = torch.ops.parkade.linear_amx(many, packed, w, bias, 96, onednn)
     prepacked = linear_cpu._ONEDNN[onednn]
     assert torch.equal(out, torch.ops.mkldnn._linear_pointwise(many, prepacked, bias, "none", [], ""))
     torch.testing.assert_close(out, F.linear(many, w, bias), rtol=2**-7, atol=2**-7)
+    del owner  # the copy goes with its owner
+    gc.collect()
+    assert onednn not in linear_cpu._ONEDNN
 
 
 @needs_kernel
