@@ -253,12 +253,12 @@ static inline __attribute__((always_inline)) int amx_attend(const Problem *pr, c
 static int amx_item(const Problem *pr, int64_t item, int touch) {
     const int hpi = pr->kv_heads_per_item, G = pr->num_q_heads / pr->num_kv_heads, D = pr->head_dim;
     if (G > AMX_COLUMNS) return 0;
-    const int items_per_seq = pr->num_kv_heads / hpi;
-    const int64_t b = item / items_per_seq;
-    const int h_first = (int)(item % items_per_seq) * hpi;
+    const ItemAt at = item_at(pr, item);
+    const int64_t b = at.b;
+    const int h_first = at.h0;
     const int per_set = AMX_COLUMNS / G; /* KV heads per column set */
     AmxColumns cs;
-    cs.table = pr->block_table + (pr->row_seq ? pr->row_seq[b] : b) * pr->table_stride;
+    cs.table = at.table;
     for (int h0 = h_first; h0 < h_first + hpi; h0 += per_set) {
         cs.h0 = h0;
         cs.nheads = h_first + hpi - h0 < per_set ? h_first + hpi - h0 : per_set;

@@ -245,6 +245,23 @@ static inline int first_key(const Problem *pr, int seq_len) {
     return pr->sliding_window > 0 && seq_len > pr->sliding_window ? seq_len - pr->sliding_window : 0;
 }
 
+/* What work item `item` reads: query row b, KV heads [h0, h0 + kv_heads_per_item), and b's
+ * block table row. */
+typedef struct {
+    int64_t b;
+    int h0;
+    const int32_t *table;
+} ItemAt;
+
+static inline ItemAt item_at(const Problem *pr, int64_t item) {
+    const int hpi = pr->kv_heads_per_item, items_per_seq = pr->num_kv_heads / hpi;
+    ItemAt at;
+    at.b = item / items_per_seq;
+    at.h0 = (int)(item % items_per_seq) * hpi;
+    at.table = pr->block_table + (pr->row_seq ? pr->row_seq[at.b] : at.b) * pr->table_stride;
+    return at;
+}
+
 /* Loads every cache line of a tile's K and V rows, in address order, before the tile is computed
  * head by head (which reads each row in strided pieces; the loads then hit the cache). From DRAM
  * the per-head order alone streamed at 16 GB/s on two cores, and software prefetches a tile ahead
@@ -285,15 +302,13 @@ static inline void prefetch_keys(const Problem *pr, const int32_t *table, const 
 
 /* The first tile of work item `item`, prefetched. */
 static inline void prefetch_item_start(const Problem *pr, int64_t item) {
-    const int hpi = pr->kv_heads_per_item, items_per_seq = pr->num_kv_heads / hpi;
-    const int64_t b = item / items_per_seq;
-    const int h0 = (int)(item % items_per_seq) * hpi;
-    const int seq_len = pr->seq_lens[b], first = first_key(pr, seq_len);
-    const int32_t *table = pr->block_table + (pr->row_seq ? pr->row_seq[b] : b) * pr->table_stride;
+    const ItemAt at = item_at(pr, item);
+    const int seq_len = pr->seq_lens[at.b], first = first_key(pr, seq_len);
     const int64_t head_bytes = (int64_t)pr->head_dim * pr->elem;
     const int end = first + TILE < seq_len ? first + TILE : seq_len;
-    prefetch_keys(pr, table, (const char *)pr->k_cache + h0 * head_bytes, (const char *)pr->v_cache + h0 * head_bytes,
-                  first, end, pr->num_kv_heads * head_bytes, hpi * head_bytes);
+    prefetch_keys(pr, at.table, (const char *)pr->k_cache + at.h0 * head_bytes,
+                  (const char *)pr->v_cache + at.h0 * head_bytes, first, end, pr->num_kv_heads * head_bytes,
+                  pr->kv_heads_per_item * head_bytes);
 }
 
 /* Called once a tile starting at `start` is loaded (touch_tile), before its arithmetic: prefetches
@@ -430,13 +445,13 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
     const int hpi = pr->kv_heads_per_item;
     const int group = pr->num_q_heads / pr->num_kv_heads;
     const int heads = hpi * group;
-    const int items_per_seq = pr->num_kv_heads / hpi;
-    const int64_t b = item / items_per_seq;
-    const int h0 = (int)(item % items_per_seq) * hpi;
+    const ItemAt at = item_at(pr, item);
+    const int64_t b = at.b;
+    const int h0 = at.h0;
     const int seq_len = pr->seq_lens[b];
     const int first = first_key(pr, seq_len);
     const int64_t q_offset = (b * pr->num_q_heads + (int64_t)h0 * group) * D;
-    const int32_t *table = pr->block_table + (pr->row_seq ? pr->row_seq[b] : b) * pr->table_stride;
+    const int32_t *table = at.table;
     const int64_t row_bytes = (int64_t)pr->num_kv_heads * D * 2;
     const int64_t width_bytes = (int64_t)hpi * D * 2;
     const char *k_base = (const char *)pr->k_cache + (int64_t)h0 * D * 2;
@@ -672,14 +687,14 @@ static void run_item(const Problem *pr, int64_t item, int touch, int64_t next) {
     const int group = pr->num_q_heads / pr->num_kv_heads;
     const int heads = hpi * group; /* query heads of this item */
     const int width = hpi * D;     /* K/V elements of one token, this item */
-    const int items_per_seq = pr->num_kv_heads / hpi;
     const int vector = D % VL == 0;
-    const int64_t b = item / items_per_seq;
-    const int h0 = (int)(item % items_per_seq) * hpi; /* first KV head */
+    const ItemAt at = item_at(pr, item);
+    const int64_t b = at.b;
+    const int h0 = at.h0; /* first KV head */
     const int seq_len = pr->seq_lens[b];
     const int first = first_key(pr, seq_len);
     const int64_t q_offset = (b * pr->num_q_heads + (int64_t)h0 * group) * D;
-    const int32_t *table = pr->block_table + (pr->row_seq ? pr->row_seq[b] : b) * pr->table_stride;
+    const int32_t *table = at.table;
     const int64_t row_bytes = (int64_t)pr->num_kv_heads * D * pr->elem;
     const int64_t head_bytes = (int64_t)D * pr->elem;
     const char *k_base = (const char *)pr->k_cache + (int64_t)h0 * head_bytes;

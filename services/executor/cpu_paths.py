@@ -58,12 +58,11 @@ def _gemm_path(executor: Executor, isa: list[str]) -> str:
     if executor.packed_linears:
         from parkade.kernels import linear_cpu
 
-        chosen = linear_cpu.kernel()
-        unit = "AMX tiles" if chosen is not None and chosen.name == "amx" else "AVX512-BF16"
-        rows = chosen.max_rows if chosen is not None else 0
+        chosen = linear_cpu.kernel()  # not None: packed linears are used only where one serves
+        unit = "AMX tiles" if chosen.name == "amx" else "AVX512-BF16"
         return (
-            f"{str(dtype).removeprefix('torch.')} on {unit} up to {rows} rows (weights packed at load), "
-            "oneDNN prepacked above"
+            f"{str(dtype).removeprefix('torch.')} on {unit} up to {chosen.max_rows} rows (weights packed at "
+            "load), oneDNN prepacked above"
         )
     unit = "AMX" if "amx_bf16" in isa else "AVX512-BF16" if "avx512_bf16" in isa else "no native unit"
     return f"{str(dtype).removeprefix('torch.')} on oneDNN ({unit})"
