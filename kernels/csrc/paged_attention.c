@@ -40,10 +40,10 @@
  *     tiles instead (attention_amx.h: S^T = K Q^T, an exact two-pass softmax, O = P V), where
  *     VDPBF16PS retires only one per two cycles;
  *   - otherwise (e.g. head_dim 8 with AVX-512) scalar loops, which the compiler vectorizes as it can.
- * Every path first loads a tile's K and V rows in address order (touch_tile), except where the
- * item before on the same thread read the same rows (a prefill chunk's rows: they are in cache);
- * the row paths (not the AMX one) then prefetch the next tile's rows before computing this one
- * (prefetch_next).
+ * The AMX path first loads a tile's K and V rows in address order (touch_tile), except where the
+ * item before on the same thread read the same rows (a prefill chunk's rows: they are in cache).
+ * The row paths do so for an item's first tile, and prefetch the thread's next tile a few lines at
+ * a time through each tile's arithmetic (Prefetch), so that its misses overlap the arithmetic.
  * Threads: an OpenMP team (the same libgomp that torch loaded, so the same thread pool as torch's
  * own ops and no second set of spinning threads) splits the items by cost, i.e. keys read.
  *
@@ -264,12 +264,12 @@ static inline ItemAt item_at(const Problem *pr, int64_t item) {
 
 /* Loads every cache line of a tile's K and V rows, in address order, before the tile is computed
  * head by head (which reads each row in strided pieces; the loads then hit the cache). From DRAM
- * the per-head order alone streamed at 16 GB/s on two cores, and software prefetches a tile ahead
- * in its place, at any distance or spread over the tile's work, did not help (16-17 GB/s; beside
- * these loads they do: prefetch_next); these loads keep many misses in flight: 25 GB/s
+ * the per-head order alone streamed at 16 GB/s on two cores, and software prefetches of the tile
+ * in its place did not help (16-17 GB/s); these loads keep many misses in flight: 25 GB/s
  * (small-llama's decode batch over its layers' 2 GiB pool on an AVX512-BF16 EPYC;
  * loadtest/cpu_attention_bench.py's "from DRAM" cases). Whole-line vector loads: one scalar load
- * per line measured 20 GB/s. */
+ * per line measured 20 GB/s. The row paths touch only an item's first tile: the thread prefetches
+ * each later one (Prefetch) while it computes the one before. */
 static inline void touch_tile(const char *k_base, const char *v_base, const int64_t *rows, int n, int64_t width_bytes) {
     vline sink = {0};
     for (int t = 0; t < n; t++)
@@ -288,48 +288,56 @@ static inline void touch_tile(const char *k_base, const char *v_base, const int6
     touched = sink;
 }
 
-/* Prefetches (into L2: prefetcht1) of the K and V lines of keys [start, end). */
-static inline void prefetch_keys(const Problem *pr, const int32_t *table, const char *k_base, const char *v_base,
-                                 int start, int end, int64_t row_bytes, int64_t width_bytes) {
-    for (int p = start; p < end; p++) {
-        const int64_t row = slot_of(pr, table, p) * row_bytes;
-        for (int64_t byte = 0; byte < width_bytes; byte += 64) {
-            __builtin_prefetch(k_base + row + byte, 0, 2);
-            __builtin_prefetch(v_base + row + byte, 0, 2);
-        }
-    }
-}
+/* The K and V lines of the (at most two) tiles that a thread reads after the one it computes,
+ * prefetched into L2 a few at a time through that tile's arithmetic (prefetch_upto). From DRAM
+ * on a Zen 4 EPYC, two threads (loadtest/cpu_attention_bench.py --against, 2026-12-07): all of a
+ * tile's prefetches at once before its arithmetic (as this code did) measured about the sum of
+ * the load time and the arithmetic: the burst fills the core's miss queue, and the arithmetic
+ * behind it waits; spread, the misses overlap it: tiny- and small-llama's decode 1.35-1.5x. Then
+ * the tiles past an item's first are in L2 when they are computed, so they skip touch_tile. */
+typedef struct {
+    const char *k, *v;     /* the tile's K and V bases (the item's first KV head) */
+    int64_t rows[TILE];    /* byte offsets of its token rows in the pool */
+    int lines;             /* 64-byte lines of one token's K (or V) row in the item */
+    int issued, total;     /* lines prefetched so far, of the plan's K and V lines (0: no plan) */
+} Prefetch;
 
-/* The first tile of work item `item`, prefetched. */
-static inline void prefetch_item_start(const Problem *pr, int64_t item) {
-    const ItemAt at = item_at(pr, item);
-    const int seq_len = pr->seq_lens[at.b], first = first_key(pr, seq_len);
-    const int64_t head_bytes = (int64_t)pr->head_dim * pr->elem;
-    const int end = first + TILE < seq_len ? first + TILE : seq_len;
-    prefetch_keys(pr, at.table, (const char *)pr->k_cache + at.h0 * head_bytes,
-                  (const char *)pr->v_cache + at.h0 * head_bytes, first, end, pr->num_kv_heads * head_bytes,
-                  pr->kv_heads_per_item * head_bytes);
-}
-
-/* Called once a tile starting at `start` is loaded (touch_tile), before its arithmetic: prefetches
- * what the thread reads next, so that those misses overlap this tile's arithmetic instead of
- * waiting for the next touch_tile: the item's next tile (where this one was touched: otherwise
- * the item's keys are in cache already), or after its last tile the first tile of `next`, the item
- * this thread runs next (-1: none, or one whose keys are in cache). From DRAM on the Zen 4 EPYC,
- * two threads (loadtest/cpu_attention_bench.py --against, 2026-12-07): tiny-llama 1.22-1.28x,
- * small-llama 1.12-1.17x on AVX512-BF16 (run_item_dpbf16) while the machine was quiet, 1.00-1.05x
- * in its busier hours (a VM whose neighbours share the memory); 1.11x and 1.59x built for haswell
- * (AVX2, run_item); small-llama's offline round spent 3.25 and 3.56 s in attention against 3.62
- * and 3.75 (alternated). A touch_tile of the next tile instead would wait for its misses; the
- * prefetches alone, without touch_tile, do not keep enough misses in flight (see there). */
-static inline void prefetch_next(const Problem *pr, const int32_t *table, const char *k_base, const char *v_base,
-                                 int start, int seq_len, int64_t row_bytes, int64_t width_bytes, int touch,
-                                 int64_t next) {
+/* The plan while the tile at `start` of `item` is computed: the item's next tile (where it touched
+ * its keys: otherwise they are in cache already), or past its last tile the first tile of `next`,
+ * the item the thread runs next (-1: none, or one whose keys are in cache). (Two tiles ahead
+ * measured the same as one.) */
+static inline void plan_next(Prefetch *pf, const Problem *pr, int64_t item, int start, int seq_len, int touch,
+                             int64_t next) {
+    pf->issued = pf->total = pf->lines = 0;
+    pf->k = pf->v = NULL;
     if (start + TILE < seq_len) {
-        const int end = start + 2 * TILE < seq_len ? start + 2 * TILE : seq_len;
-        if (touch) prefetch_keys(pr, table, k_base, v_base, start + TILE, end, row_bytes, width_bytes);
+        if (!touch) return;
+        start += TILE;
     } else if (next >= 0) {
-        prefetch_item_start(pr, next);
+        item = next;
+        seq_len = pr->seq_lens[item_at(pr, item).b];
+        start = first_key(pr, seq_len);
+    } else {
+        return;
+    }
+    const ItemAt at = item_at(pr, item);
+    const int64_t head_bytes = (int64_t)pr->head_dim * pr->elem, row_bytes = pr->num_kv_heads * head_bytes;
+    const int n = seq_len - start < TILE ? seq_len - start : TILE;
+    pf->k = (const char *)pr->k_cache + at.h0 * head_bytes;
+    pf->v = (const char *)pr->v_cache + at.h0 * head_bytes;
+    pf->lines = (int)((pr->kv_heads_per_item * head_bytes + 63) / 64);
+    for (int t = 0; t < n; t++) pf->rows[t] = slot_of(pr, at.table, start + t) * row_bytes;
+    pf->total = 2 * n * pf->lines;
+}
+
+/* Prefetches the plan's lines up to the fraction done / of of them, row by row (a K line, then
+ * the V line beside it). */
+static inline void prefetch_upto(Prefetch *pf, int done, int of) {
+    const int want = (int)((int64_t)pf->total * done / of);
+    for (; pf->issued < want; pf->issued++) {
+        const int t = pf->issued / (2 * pf->lines), line = pf->issued % (2 * pf->lines);
+        const char *base = (line & 1) ? pf->v : pf->k;
+        __builtin_prefetch(base + pf->rows[t] + (int64_t)(line >> 1) * 64, 0, 2);
     }
 }
 
@@ -477,8 +485,11 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
             const int p = start + t;
             rows[t] = slot_of(pr, table, p) * row_bytes;
         }
-        if (touch) touch_tile(k_base, v_base, rows, n, width_bytes);
-        prefetch_next(pr, table, k_base, v_base, start, seq_len, row_bytes, width_bytes, touch, next);
+        if (touch && start == first) touch_tile(k_base, v_base, rows, n, width_bytes); /* later tiles: prefetched */
+        Prefetch pf;
+        plan_next(&pf, pr, item, start, seq_len, touch, next);
+        const int points = (2 + TILE / 16) * heads; /* where prefetch_upto runs in this tile */
+        int point = 0;
 
         for (int hh = 0; hh < hpi; hh++) {
             const char *kh = k_base + (int64_t)hh * D * 2, *vh = v_base + (int64_t)hh * D * 2;
@@ -504,9 +515,11 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
                     }
                     const __mmask16 valid = n - t0 >= 16 ? 0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
                     sv[half] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, hsum16(part), scale);
+                    prefetch_upto(&pf, ++point, points);
                 }
                 /* applied to acc in the PV pass; the weights (0 past n) go to scores */
                 corr[j] = softmax_tile512(sv, scores + j * TILE, &m[j], &l[j]);
+                prefetch_upto(&pf, ++point, points);
             }
             for (int t = 0; t < n; t++) { /* this head's V rows, widened once */
                 const uint16_t *v = (const uint16_t *)(vh + rows[t]);
@@ -526,8 +539,10 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
                     for (int c = 0; c < D / 16; c++) a[c] = _mm512_fmadd_ps(w, _mm512_load_ps(vbuf + t * D + 16 * c), a[c]);
                 }
                 for (int c = 0; c < D / 16; c++) _mm512_store_ps(aj + 16 * c, a[c]);
+                prefetch_upto(&pf, ++point, points);
             }
         }
+        prefetch_upto(&pf, points, points); /* the rest: a tile of fewer than TILE keys skips points */
     }
     for (int j = 0; j < heads; j++)
         store_out(pr, q_offset + (int64_t)j * D, acc + (int64_t)j * D, l[j] > 0.0f ? 1.0f / l[j] : 0.0f, D);
@@ -724,8 +739,11 @@ static void run_item(const Problem *pr, int64_t item, int touch, int64_t next) {
             const int p = start + t;
             rows[t] = slot_of(pr, table, p) * row_bytes;
         }
-        if (touch) touch_tile(k_base, v_base, rows, n, (int64_t)width * pr->elem);
-        prefetch_next(pr, table, k_base, v_base, start, seq_len, row_bytes, (int64_t)width * pr->elem, touch, next);
+        if (touch && start == first) touch_tile(k_base, v_base, rows, n, (int64_t)width * pr->elem);
+        Prefetch pf;
+        plan_next(&pf, pr, item, start, seq_len, touch, next);
+        const int points = heads + n; /* where prefetch_upto runs in this tile */
+        int point = 0;
 
         for (int j = 0; j < heads; j++) {
             const int64_t kv_off = (int64_t)(j / group) * head_bytes;
@@ -740,6 +758,7 @@ static void run_item(const Problem *pr, int64_t item, int touch, int64_t next) {
 #endif
                 scores[j * TILE + t] = dot(pr, qj, k, vector) * pr->scale;
             }
+            prefetch_upto(&pf, ++point, points);
         }
         for (int j = 0; j < heads; j++) {
             const float correction = softmax_tile(scores + j * TILE, n, &m[j], &l[j]);
@@ -750,6 +769,7 @@ static void run_item(const Problem *pr, int64_t item, int touch, int64_t next) {
             const char *row = v_base + rows[t];
             for (int j = 0; j < heads; j++)
                 axpy(pr, acc + (int64_t)j * D, scores[j * TILE + t], row + (int64_t)(j / group) * head_bytes, vector);
+            prefetch_upto(&pf, ++point, points);
         }
     }
     for (int j = 0; j < heads; j++)
