@@ -14,10 +14,14 @@
  * DRAM. oneDNN's prepacked matmul (what inductor's freezing uses) streams them and then computes;
  * here a thread streams its panels front to back, the first block of rows reading a panel from
  * DRAM (prefetched PREFETCH_STEPS K steps ahead) and the later blocks from L2 while they fetch the
- * thread's next panel into L2, so that the memory works while the arithmetic does. Small-llama's
+ * thread's next panel into L2, so that the memory works while the arithmetic does. The prefetches
+ * go into L2, two per pair row of a K step: issued in a burst at each step's start into L1, they
+ * stalled the few-row steps behind the core's full miss queue (4 and 8 rows: 9.5 and 10.1 ms,
+ * against 6.2 and 5.8 spread; 1 row 8.4 against 6.4: same machine, alternated). Small-llama's
  * step on a Zen 4 EPYC, two threads (loadtest/linear_bench.py, 2026-12-07), against oneDNN's
- * prepacked matmul: 6.95 / 7.73 ms at 1 row, 8.17 / 9.86 at 16, 13.5 / 15.7 at 32, 20.0 / 22.3 at 48,
- * 28.4 / 28.2 at 64 (where the multiplies bound both: kernels/linear_cpu.py DPBF16_MAX_ROWS).
+ * prepacked matmul: 7.58 / 9.2 ms at 1 row, 6.24 / 11.0 at 8, 9.38 / 10.9 at 16, 13.0 / 16.2 at 32,
+ * 19.6 / 22.0 at 48, 26.0 / 28.9 at 64 (where the multiplies bound both: kernels/linear_cpu.py
+ * DPBF16_MAX_ROWS).
  *
  * Threads split the panels; K past the weight's end is zero in the packed layout, and x's last
  * partial K step is staged zero padded, so that no lane reads past a row or multiplies stale data.
@@ -56,10 +60,14 @@ static inline void team_share(int64_t total, int64_t *first, int64_t *last) {
 }
 
 /* acc[i][t] += the 16 pair rows of one K step of a panel (`b`, 1024 bf16) times rows i < R of x at
- * `xs` (row stride ldx, 32 bf16 of each row read). */
+ * `xs` (row stride ldx, 32 bf16 of each row read); meanwhile prefetches (into L2) `lines` (<= 32)
+ * lines from `pf`, two per pair row: spread, they leave the arithmetic room, where a burst of them
+ * before it filled the core's miss queue and stalled it (see the header). */
 static inline __attribute__((always_inline)) void k_step(const bf16 *b, const bf16 *xs, int64_t ldx, const int R,
-                                                         __m512 acc[BLOCK][2]) {
+                                                         __m512 acc[BLOCK][2], const char *pf, int lines) {
     for (int r = 0; r < 16; r++) {
+        if (2 * r < lines) _mm_prefetch(pf + 128 * r, _MM_HINT_T1);
+        if (2 * r + 1 < lines) _mm_prefetch(pf + 128 * r + 64, _MM_HINT_T1);
         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + 32 * r);
         const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 512 + 32 * r);
         for (int i = 0; i < R; i++) {
@@ -86,14 +94,16 @@ static inline __attribute__((always_inline)) void run_block(const bf16 *x, int64
     for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     const bf16 *b = panel;
     for (int64_t s = 0; s < k_full; s++, b += 1024) {
-        if (first) {
-            const char *ahead = (const char *)(b + PREFETCH_STEPS * 1024);
-            for (int line = 0; line < 2048; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-        } else {
-            for (int64_t line = 0; line < fetch->per_step && fetch->at < fetch->end; line += 64, fetch->at += 64)
-                _mm_prefetch(fetch->at, _MM_HINT_T1);
+        const char *pf = (const char *)(b + PREFETCH_STEPS * 1024);
+        int lines = 32; /* a K step of the panel, PREFETCH_STEPS ahead */
+        if (!first) {   /* this step's share of the next panel */
+            pf = fetch->at;
+            const int64_t left = (fetch->end - fetch->at) / 64;
+            lines = (int)(left < fetch->per_step / 64 ? left : fetch->per_step / 64);
+            lines = lines < 32 ? lines : 32; /* (more only where K has a partial step: those go unfetched) */
+            fetch->at += 64 * (int64_t)lines;
         }
-        k_step(b, x + 32 * s, ldx, R, acc);
+        k_step(b, x + 32 * s, ldx, R, acc, pf, lines);
     }
     if (tail) { /* the last K values, zero padded to a step as the packed weight is */
         bf16 staged[BLOCK][32];
@@ -101,7 +111,7 @@ static inline __attribute__((always_inline)) void run_block(const bf16 *x, int64
             memset(staged[i], 0, sizeof staged[i]);
             memcpy(staged[i], x + i * ldx + 32 * k_full, 2 * (size_t)tail);
         }
-        k_step(b, staged[0], 32, R, acc);
+        k_step(b, staged[0], 32, R, acc, NULL, 0);
     }
 }
 
@@ -140,7 +150,7 @@ static void run_panels(const bf16 *x, int64_t ldx, int64_t m, int64_t k, const b
             const int64_t bytes = k_steps * 2048, later_steps = (blocks - 1) * k_full;
             fetch.at = (const char *)(panel + k_steps * 1024);
             fetch.end = fetch.at + bytes;
-            fetch.per_step = later_steps > 0 ? (bytes / later_steps + 64) / 64 * 64 : 0;
+            fetch.per_step = later_steps > 0 ? (bytes / later_steps + 63) / 64 * 64 : 0; /* <= 2 KB */
         }
         for (int64_t block = 0; block < blocks; block++) {
             const int64_t row0 = m * block / blocks, row1 = m * (block + 1) / blocks;
