@@ -10,6 +10,7 @@ import pytest
 from parkade.services.executor import cpu_threads
 from parkade.services.executor.cpu_threads import (
     CONFIRM,
+    LARGE_STEP_TOKENS,
     SAMPLE_S,
     SMALL_STEP_TOKENS,
     SPAN_S,
@@ -183,6 +184,26 @@ def test_small_steps_keep_the_measured_size_where_the_second_thread_pays():
     team.begin_step(1)
     assert machine.torch_threads == 2
     team.end_step()
+
+
+def test_a_large_step_runs_on_the_full_team_while_the_measure_keeps_the_smaller_one():
+    machine = Machine()
+    team = machine.team()
+    machine.steps(team, SPAN_S + SAMPLE_S * (CONFIRM + 1), own=1.2, others=0.8)
+    assert team.threads == 1 and machine.torch_threads == 1
+    team.begin_step(LARGE_STEP_TOKENS)
+    assert machine.torch_threads == 2, "a prefill chunk: the full team"
+    team.end_step()
+    team.begin_step(LARGE_STEP_TOKENS - 1)
+    assert machine.torch_threads == 1, "below the mark: the measured size"
+    team.end_step()
+    team.begin_step()  # a step of unknown size: the measured size
+    assert machine.torch_threads == 1
+    team.end_step()
+    assert team.threads == 1 and team.switches == 1, "a large step is not a switch of the team"
+    fixed_machine = Machine()
+    fixed_machine.team(fixed=1).begin_step(LARGE_STEP_TOKENS * 4)
+    assert fixed_machine.torch_threads == 1, "a fixed team is what the user set, for every step"
 
 
 def test_a_fixed_team_and_a_team_of_one_are_never_calibrated():
