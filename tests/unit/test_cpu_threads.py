@@ -97,6 +97,13 @@ class Machine:
             own_cpu=lambda: self.own, clock=lambda: self.now,
         )  # fmt: skip
 
+    def step_threads(self, team: CpuThreads, num_tokens: int | None) -> int:
+        """One step of `num_tokens` (no time passing): -> the threads it ran on."""
+        team.begin_step(num_tokens)
+        threads = self.torch_threads
+        team.end_step()
+        return threads
+
     def steps(self, team: CpuThreads, seconds: float, *, own: float, others: float, idle: float = 0) -> None:
         """Step for `seconds` in 10 ms steps (each followed by `idle` seconds), this process
         using `own` cores and the rest of the machine `others`."""
@@ -160,15 +167,9 @@ def test_a_small_step_runs_on_the_smaller_team_where_the_warm_up_timed_it_nearly
     timed: list[int] = []
     team.calibrate_small_steps(lambda threads: timed.append(threads) or {2: 0.0020, 1: 0.0023}[threads])
     assert timed == [2, 1] and team.small_step_threads == 1 and "small steps on 1" in team.describe()
-    team.begin_step(SMALL_STEP_TOKENS)
-    assert machine.torch_threads == 1, "a few decodes: one thread"
-    team.end_step()
-    team.begin_step(SMALL_STEP_TOKENS + 1)
-    assert machine.torch_threads == 2, "a bigger step: the measured size (the full team, here)"
-    team.end_step()
-    team.begin_step()  # a step of unknown size: the measured size
-    assert machine.torch_threads == 2
-    team.end_step()
+    assert machine.step_threads(team, SMALL_STEP_TOKENS) == 1, "a few decodes: one thread"
+    assert machine.step_threads(team, SMALL_STEP_TOKENS + 1) == 2, "a bigger step: the measured size"
+    assert machine.step_threads(team, None) == 2, "a step of unknown size: the measured size"
     assert team.threads == 2 and team.switches == 0, "a small step is not a switch of the team"
     assert machine.set_calls == [1, 2]
 
@@ -191,15 +192,9 @@ def test_a_large_step_runs_on_the_full_team_while_the_measure_keeps_the_smaller_
     team = machine.team()
     machine.steps(team, SPAN_S + SAMPLE_S * (CONFIRM + 1), own=1.2, others=0.8)
     assert team.threads == 1 and machine.torch_threads == 1
-    team.begin_step(LARGE_STEP_TOKENS)
-    assert machine.torch_threads == 2, "a prefill chunk: the full team"
-    team.end_step()
-    team.begin_step(LARGE_STEP_TOKENS - 1)
-    assert machine.torch_threads == 1, "below the mark: the measured size"
-    team.end_step()
-    team.begin_step()  # a step of unknown size: the measured size
-    assert machine.torch_threads == 1
-    team.end_step()
+    assert machine.step_threads(team, LARGE_STEP_TOKENS) == 2, "a prefill chunk: the full team"
+    assert machine.step_threads(team, LARGE_STEP_TOKENS - 1) == 1, "below the mark: the measured size"
+    assert machine.step_threads(team, None) == 1, "a step of unknown size: the measured size"
     assert team.threads == 1 and team.switches == 1, "a large step is not a switch of the team"
     fixed_machine = Machine()
     fixed_machine.team(fixed=1).begin_step(LARGE_STEP_TOKENS * 4)
