@@ -288,8 +288,8 @@ static inline void touch_tile(const char *k_base, const char *v_base, const int6
     touched = sink;
 }
 
-/* The K and V lines of the (at most two) tiles that a thread reads after the one it computes,
- * prefetched into L2 a few at a time through that tile's arithmetic (prefetch_upto). From DRAM
+/* The K and V lines of the tile that a thread reads after the one it computes, prefetched into
+ * L2 a few at a time through that tile's arithmetic (prefetch_upto). From DRAM
  * on a Zen 4 EPYC, two threads (loadtest/cpu_attention_bench.py --against, 2026-12-07): all of a
  * tile's prefetches at once before its arithmetic (as this code did) measured about the sum of
  * the load time and the arithmetic: the burst fills the core's miss queue, and the arithmetic
