@@ -182,9 +182,7 @@ def test_small_steps_keep_the_measured_size_where_the_second_thread_pays():
         lambda threads: {2: 0.011, 1: 0.011 * slack * 1.1}[threads]
     )  # weights streamed
     assert team.small_step_threads is None and "small steps" not in team.describe()
-    team.begin_step(1)
-    assert machine.torch_threads == 2
-    team.end_step()
+    assert machine.step_threads(team, 1) == 2
 
 
 def test_a_large_step_runs_on_the_full_team_while_the_measure_keeps_the_smaller_one():
