@@ -6,16 +6,17 @@
 
 One server at a time on this machine: `vllm serve` (every CPU bound, a 2 GiB KV cache), then
 `parkade up` (Kafka pipeline and OpenAI gateway, the embedded broker, a 2 GiB KV budget). Each gets
-a warm-up round, then the timed round of `bench_serve.py` (the anchors' wrapper of
-`vllm bench serve`): random prompts of `--input-len` tokens, `--output-len` tokens out, EOS ignored,
-all sent at once by default. Prints one JSON document: for each run (`runs`), each server's output
-tok/s, TTFT and TPOT (mean, median, p99), the TTFT's deciles, completed and failed requests, its
-start-up time (until `/health` says 200), the CPU seconds each of its processes and the client (with
-its start-up) used during the timed round (`cpu_s`: on a small machine the server's processes and
-the client share the cores, so a pipeline's own CPU slows its model's steps), and Parkade over vLLM;
-over the runs, `parkade_over_vllm` (each ratio's median) and `runs_meeting_goal`: the runs where
-every request of both servers completed, Parkade's throughput was at least vLLM's and both its mean
-TTFT and mean TPOT no worse (the online goal of the project's issue 26).
+a warm-up round (prompts of another seed: none of them in the timed round), then the timed round of
+`bench_serve.py` (the anchors' wrapper of `vllm bench serve`): random prompts of `--input-len`
+tokens, `--output-len` tokens out, EOS ignored, all sent at once by default. Prints one JSON
+document: for each run (`runs`), each server's output tok/s, TTFT and TPOT (mean, median, p99), the
+TTFT's deciles, completed and failed requests, its start-up time (until `/health` says 200), the CPU
+seconds each of its processes and the client (with its start-up) used during the timed round
+(`cpu_s`: on a small machine the server's processes and the client share the cores, so a pipeline's
+own CPU slows its model's steps), and Parkade over vLLM; over the runs, `parkade_over_vllm` (each
+ratio's median) and `runs_meeting_goal`: the runs where every request of both servers completed,
+Parkade's throughput was at least vLLM's and both its mean TTFT and mean TPOT no worse (the online
+goal of the project's issue 26).
 
 `--repeat N` runs the pair N times, each server started fresh, vLLM first in even runs and Parkade
 first in odd ones: a VM's speed drifts by more than the difference between the two, so one pair
@@ -44,6 +45,11 @@ from parkade.up import free_port
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ANCHORS = REPO.parent / "shared" / "anchors"
 KV_BYTES = 2 * 2**30
+# The client's prompts come from its seed (`--dataset-name random`), and one seed gives the same
+# first prompts at any --num-prompts: a warm-up of the timed round's seed made its 16 prompts the
+# first 16 of the timed round's 64, which both servers' prefix caches (on by default) then served
+# (seen 2026-12-07). The warm-up warms the server, not its cache: a seed of its own.
+WARMUP_SEED, TIMED_SEED = 0, 1
 METRICS = [
     "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
     "p99_tpot_ms", "completed", "failed", "duration",
@@ -66,8 +72,9 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
     raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
 
 
-def bench(args: argparse.Namespace, port: int, out_dir: Path, name: str, num_prompts: int) -> dict:
-    """One round of vLLM's client against the server on `port`; -> its result JSON."""
+def bench(args: argparse.Namespace, port: int, out_dir: Path, name: str, num_prompts: int, seed: int) -> dict:
+    """One round of vLLM's client against the server on `port`, its prompts drawn from `seed`;
+    -> its result JSON."""
     filename = f"{name}.json"
     command = [
         args.vllm_python, str(args.anchors / "bench_serve.py"), "--backend", "openai",
@@ -75,7 +82,7 @@ def bench(args: argparse.Namespace, port: int, out_dir: Path, name: str, num_pro
         "--model", args.model.name, "--tokenizer", str(args.model), "--dataset-name", "random",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
         "--num-prompts", str(num_prompts), "--request-rate", args.request_rate, "--ignore-eos",
-        "--seed", "1", "--save-result", "--save-detailed", "--result-dir", str(out_dir),
+        "--seed", str(seed), "--save-result", "--save-detailed", "--result-dir", str(out_dir),
         "--result-filename", filename,
     ]  # fmt: skip
     print("[online_vs_vllm] " + " ".join(command), file=sys.stderr, flush=True)
@@ -103,9 +110,9 @@ def serve_and_bench(args: argparse.Namespace, name: str, command: list[str], env
         # 18 s before its executor has compiled (measured on tiny-llama); both say 200 on /health
         # only once they can serve.
         ready_s = wait_ready(f"http://127.0.0.1:{port}/health", proc, args.ready_timeout)
-        bench(args, port, tmp, f"{name}-warmup", min(16, args.num_prompts))
+        bench(args, port, tmp, f"{name}-warmup", min(16, args.num_prompts), WARMUP_SEED)
         before, client_before = tree_cpu_s(proc.pid), children_cpu_s()
-        result = bench(args, port, tmp, name, args.num_prompts)
+        result = bench(args, port, tmp, name, args.num_prompts, TIMED_SEED)
         after, client_after = tree_cpu_s(proc.pid), children_cpu_s()
     finally:
         stop(proc)

@@ -101,3 +101,16 @@ def test_a_servers_cpu_counts_its_process_tree_and_no_other():
     finally:
         os.kill(child, signal.SIGKILL)
         proc.wait()
+
+
+def test_the_warm_up_draws_no_prompt_of_the_timed_round(monkeypatch, tmp_path):
+    rounds = []
+    monkeypatch.setattr(online, "wait_ready", lambda url, proc, timeout_s: 1.0)
+    monkeypatch.setattr(online, "stop", lambda proc: proc.wait())
+    monkeypatch.setattr(online, "bench", lambda *a: rounds.append(a[3:]) or {"completed": a[4]})
+    args = online.argparse.Namespace(num_prompts=64, ready_timeout=1.0)
+    online.serve_and_bench(args, "server", [sys.executable, "-c", "pass"], dict(os.environ), 0, tmp_path)
+    (warm_name, warm_n, warm_seed), (name, n, seed) = rounds
+    assert (warm_name, warm_n, name, n) == ("server-warmup", 16, "server", 64)
+    # vLLM's random dataset: one seed, the same first prompts at any count
+    assert warm_seed != seed
