@@ -20,7 +20,9 @@ import pytest
 # not reproduced outside the services (topic creation, concurrent producers, reply topics). The
 # tests that run services in-process retry when that error is in their failure's chain: twice,
 # since one test met it in two runs in a row (2026-12-06); a failed service now ends its test at
-# once (tests/pipeline.py), so a retry costs aiokafka's 40 s, not the test's timeout.
+# once (tests/pipeline.py), so a retry costs aiokafka's 40 s, not the test's timeout. A retry runs
+# on a broker of its own (conftest.py): one test met the error in all three attempts on its
+# module's broker (2026-12-07).
 TANSU_NOT_LEADER = pytest.mark.flaky(reruns=2, only_rerun=["NotLeaderForPartitionError"])
 
 START_TIMEOUT_S = 300  # a cold start on a busy 2-core machine: broker, imports, model load
