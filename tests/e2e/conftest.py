@@ -52,12 +52,17 @@ def _shared_or_fresh(request: pytest.FixtureRequest, shared: str):
         yield shared
 
 
-@pytest.fixture(scope="session")
-def _session_broker():
+def _named_or_tansu():
+    """$KAFKA_BOOTSTRAP_SERVERS if set, else a Tansu broker on a free loopback port."""
     if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
         yield os.environ["KAFKA_BOOTSTRAP_SERVERS"]
         return
     yield from _tansu()
+
+
+@pytest.fixture(scope="session")
+def _session_broker():
+    yield from _named_or_tansu()
 
 
 @pytest.fixture
@@ -69,10 +74,7 @@ def bootstrap_servers(request, _session_broker):
 
 @pytest.fixture(scope="module")
 def _module_broker():
-    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
-        yield os.environ["KAFKA_BOOTSTRAP_SERVERS"]
-        return
-    yield from _tansu()
+    yield from _named_or_tansu()
 
 
 @pytest.fixture
