@@ -42,22 +42,23 @@ def _tansu():
         proc.wait(timeout=30)
 
 
-def _shared_or_fresh(request: pytest.FixtureRequest, shared: str):
-    """`shared`, or on a rerun a Tansu of the attempt's own: the reruns are for Tansu's
-    NOT_LEADER_OR_FOLLOWER (stack.py), and a broker that gave it once gave it again to the next
-    attempts' fresh topics (all three attempts of one test in a CI run, 2026-12-07)."""
-    if getattr(request.node, "execution_count", 1) > 1 and not os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
-        yield from _tansu()
-    else:
-        yield shared
-
-
 def _named_or_tansu():
     """$KAFKA_BOOTSTRAP_SERVERS if set, else a Tansu broker on a free loopback port."""
     if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
         yield os.environ["KAFKA_BOOTSTRAP_SERVERS"]
         return
     yield from _tansu()
+
+
+def _shared_or_fresh(request: pytest.FixtureRequest, shared: str):
+    """`shared`, or on a rerun a broker of the attempt's own (a fresh Tansu, unless one is named):
+    the reruns are for Tansu's NOT_LEADER_OR_FOLLOWER (stack.py), and a broker that gave it once
+    gave it again to the next attempts' fresh topics (all three attempts of one test in a CI run,
+    2026-12-07)."""
+    if getattr(request.node, "execution_count", 1) > 1:
+        yield from _named_or_tansu()
+    else:
+        yield shared
 
 
 @pytest.fixture(scope="session")
