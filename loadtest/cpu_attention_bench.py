@@ -4,11 +4,12 @@ against the same kernel at another git revision, in one process. Prints one JSON
     python loadtest/cpu_attention_bench.py --against REV [--threads N] [--repeat R]
 
 Each case is a batch of decode rows (one query per request, its context in shuffled blocks of
-16) or one fresh prompt's prefill rows, bf16 K/V, at the heads of the anchors' tiny-llama (4 query
-heads over 2 KV heads of 64), small-llama (12 over 4 of 64) and an 8B-like layer (32 over 8 of
-128). The tiny- and small-llama decode cases fit a 32 MiB L3 cache and are re-read from it; the
-"from DRAM" ones attend a pool per layer in turn, as a server's step does, so that their K/V comes
-from memory (the time and GB/s are per call).
+16) or fresh prompts' prefill rows (one of 512 tokens, or eight of 256 as in a 2,048-token step),
+bf16 K/V, at the heads of the anchors' tiny-llama (4 query heads over 2 KV heads of 64),
+small-llama (12 over 4 of 64) and an 8B-like layer (32 over 8 of 128). The tiny- and small-llama
+decode cases fit a 32 MiB L3 cache and are re-read from it; the "from DRAM" ones attend a pool per
+layer in turn, as a server's step does, so that their K/V comes from memory (the time and GB/s are
+per call).
 Both builds run every case alternately `--repeat` times; the best time of each is reported,
 with GB/s of K/V read for the decode cases and the largest difference between the two outputs.
 `--against` is any revision whose tree has the kernel source (7642e8a: the per-key loop before the
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from parkade.kernels import attention_cpu
+from parkade.services.executor import cpu_malloc
 from parkade.services.executor.cpu_paths import cpu_description
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +45,13 @@ DECODE = [  # (name, q heads, kv heads, head_dim, batch, context, pools)
     ("tiny-llama decode from DRAM (16 pools in turn)", 4, 2, 64, 64, 400, 16),
     ("small-llama decode from DRAM (12 pools in turn)", 12, 4, 64, 34, 340, 12),
 ]
-PREFILL = [("tiny-llama prefill", 4, 2, 64, 512), ("small-llama prefill", 12, 4, 64, 512)]
+PREFILL = [  # (name, q heads, kv heads, head_dim, prompts, tokens each)
+    ("tiny-llama prefill", 4, 2, 64, 1, 512),
+    ("small-llama prefill", 12, 4, 64, 1, 512),
+    # A 2,048-token prefill step of eight 256-token prompts (a burst's step under `parkade up`).
+    ("tiny-llama prefill, 8 x 256", 4, 2, 64, 8, 256),
+    ("small-llama prefill, 8 x 256", 12, 4, 64, 8, 256),
+]
 BLOCK = 16
 
 
@@ -74,17 +82,22 @@ def _decode_case(q_heads: int, kv_heads: int, head_dim: int, batch: int, context
     return {"run": run, "bytes": nbytes, "calls": pools}
 
 
-def _prefill_case(q_heads: int, kv_heads: int, head_dim: int, length: int) -> dict:
+def _prefill_case(q_heads: int, kv_heads: int, head_dim: int, prompts: int, length: int) -> dict:
+    """`prompts` fresh prompts of `length` tokens each, in one call (their blocks in order)."""
     gen = torch.Generator().manual_seed(1)
-    num_blocks = -(-length // BLOCK)
+    per_prompt = -(-length // BLOCK)
+    num_blocks = prompts * per_prompt
     k_cache = torch.zeros(num_blocks, BLOCK, kv_heads, head_dim, dtype=torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)
-    q = torch.randn(length, q_heads, head_dim, generator=gen).to(torch.bfloat16)
-    k = torch.randn(length, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-    v = torch.randn(length, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-    attention_cpu.write_kv_cache(k, v, k_cache, v_cache, torch.arange(length))
-    table = torch.arange(num_blocks, dtype=torch.int32)[None]
-    cu, used = torch.tensor([0, length], dtype=torch.int32), torch.tensor([length], dtype=torch.int32)
+    tokens = prompts * length
+    q = torch.randn(tokens, q_heads, head_dim, generator=gen).to(torch.bfloat16)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    slots = (torch.arange(prompts)[:, None] * per_prompt * BLOCK + torch.arange(length)).flatten()
+    attention_cpu.write_kv_cache(k, v, k_cache, v_cache, slots)
+    table = torch.arange(num_blocks, dtype=torch.int32).view(prompts, per_prompt)
+    cu = torch.arange(prompts + 1, dtype=torch.int32) * length
+    used = torch.full((prompts,), length, dtype=torch.int32)
 
     def run() -> torch.Tensor:
         return attention_cpu.paged_attention_varlen(
@@ -119,6 +132,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeat", type=int, default=4)
     args = parser.parse_args()
+    # The executor's allocator settings (cpu_malloc.py). NOTE: without them a call's output (1-3 MiB
+    # here) may come from a fresh mapping, faulted in anew each call, or from the heap, depending on
+    # what the process freed before (glibc raises its mmap threshold as it frees): measured, the same
+    # build's 8 x 256 prefill ran 1.07 or 1.30 ms by the case timed before it, which hid the
+    # difference between two builds.
+    allocator = cpu_malloc.tune_malloc(os.environ)
     torch.set_num_threads(args.threads)
     old_text = subprocess.run(
         ["git", "show", f"{args.against}:{SOURCE}"], cwd=ROOT, capture_output=True, text=True, check=True
@@ -155,7 +174,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "cpu_attention", "against": args.against, "threads": args.threads,
         "machine": f"{platform.machine()}, python {platform.python_version()}, torch {torch.__version__}",
-        "cpu": cpu_description(), "features": attention_cpu.features(), "cases": rows,
+        "cpu": cpu_description(), "features": attention_cpu.features(), "allocator": allocator, "cases": rows,
     }, indent=1))  # fmt: skip
 
 
