@@ -109,10 +109,15 @@ def _prefill_case(q_heads: int, kv_heads: int, head_dim: int, prompts: int, leng
 
 
 def _use(source: Path) -> None:
-    """Build (cached by source) and load the kernel from `source`."""
+    """Build (cached by source) and load the kernel from `source`, and drop the last step's plan.
+
+    NOTE: the plan holds the kernel function of the build it was made with, and a case run again
+    with the same lengths reuses it (`attention_cpu._step_plan`): without the reset, every prefill
+    case after the first build's ran that build's code, whichever build was asked for."""
     attention_cpu.SOURCE = source
     attention_cpu.library.cache_clear()
     attention_cpu.library()
+    attention_cpu._last_plan = None
 
 
 def _time(fn, seconds: float = 0.3) -> float:
@@ -133,10 +138,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=4)
     args = parser.parse_args()
     # The executor's allocator settings (cpu_malloc.py). NOTE: without them a call's output (1-3 MiB
-    # here) may come from a fresh mapping, faulted in anew each call, or from the heap, depending on
-    # what the process freed before (glibc raises its mmap threshold as it frees): measured, the same
-    # build's 8 x 256 prefill ran 1.07 or 1.30 ms by the case timed before it, which hid the
-    # difference between two builds.
+    # here) may come from a fresh mapping, faulted in anew each call, or from the heap, by what the
+    # process freed before (glibc raises its mmap threshold as it frees): measured, one build's
+    # 8 x 256 prefill ran 1.30 ms a call as the first case of a process, 1.08 after a larger case.
     allocator = cpu_malloc.tune_malloc(os.environ)
     torch.set_num_threads(args.threads)
     old_text = subprocess.run(
