@@ -1,7 +1,7 @@
 /* Paged attention on AMX tiles (Intel Sapphire Rapids and later: `amx_tile`, `amx_bf16`), for a
  * bf16 cache with head_dim 64 or 128, block_size a multiple of 16 and no sliding window.
  * Included by paged_attention.c (its Problem, slot_of, load_q_bf16, store_out, exp512_nonpositive,
- * touch_tile).
+ * touch_tile, transpose16).
  *
  * Why: on the AMX machines measured (2 vCPU Xeon, 2026-12-05), VDPBF16PS retires one per two
  * cycles (16 bf16 products a cycle, against four times that on a Zen 5), so the AVX512-BF16 paths
@@ -70,31 +70,12 @@ static void *amx_scratch(size_t bytes) {
     return buf;
 }
 
-/* r[i][j] <- r[j][i] for a 16x16 fp32 block. */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-    }
-    /* r[4i + k] now holds rows 4i..4i+3's element k of each 128-bit lane: regroup the lanes. */
-    for (int k = 0; k < 4; k++) {
-        const __m512 a = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), b = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD);
-        const __m512 c = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88), d = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
-        t[k] = _mm512_shuffle_f32x4(a, c, 0x88);
-        t[8 + k] = _mm512_shuffle_f32x4(a, c, 0xDD);
-        t[4 + k] = _mm512_shuffle_f32x4(b, d, 0x88);
-        t[12 + k] = _mm512_shuffle_f32x4(b, d, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
+/* r[i][j] <- r[j][i] for a 16x16 fp32 block (transpose16 on the same bits). */
+static inline void transpose16_ps(__m512 r[16]) {
+    __m512i x[16];
+    for (int i = 0; i < 16; i++) x[i] = _mm512_castps_si512(r[i]);
+    transpose16(x);
+    for (int i = 0; i < 16; i++) r[i] = _mm512_castsi512_ps(x[i]);
 }
 
 /* Pass 3's V pairs come from unpacklo/unpackhi, which pair within 128-bit lanes: of a group of 32
@@ -193,7 +174,7 @@ static inline __attribute__((always_inline)) int amx_attend(const Problem *pr, c
                                        : _mm512_setzero_ps();
                     if (d0 == 0) l = _mm512_add_ps(l, p[t]);
                 }
-                transpose16(p);
+                transpose16_ps(p);
                 for (int j = 0; j < 16; j++) _mm256_store_si256((__m256i *)(P + 32 * j + 16 * half), (__m256i)_mm512_cvtneps_pbh(p[j]));
             }
             /* 3. Each head's V pairs for these keys and head dims d0..d0+63, then O += P V. Keys

@@ -550,28 +550,6 @@ static inline __attribute__((always_inline)) void run_item_dpbf16(const Problem 
 #endif
 
 #if HAVE_DPBF16
-/* A block of a prefill chunk's rows against one KV head, for a bf16 cache on AVX512-BF16 with
- * head_dim D (64 or 128): the query vectors that read KV head h (the group's G heads of each of
- * the block's nrows rows, nrows <= 16 / G) sit in the 16 lanes of one register, lane i holding
- * (row i / G, query head h * G + i % G); lanes past nrows * G repeat lane 0 and are not stored.
- * Where the row path (run_item_dpbf16) reads a key's row once per query row and sums each score
- * across lanes, this reads it once per block: the scores of 16 keys are 16 registers, one per
- * key (q . k by VDPBF16PS: k's bf16 pair broadcast against the lanes' q pairs, no horizontal sum);
- * the online softmax runs lane by lane (a lane's max and sum are its own); and acc[d] (lanes:
- * the query vectors) += w[key] * v[key][d] + w[key'] * v[key'][d], a pair of keys per VDPBF16PS
- * (the lanes' weights as bf16 pairs, the keys' V at d broadcast). Row i sees keys
- * [0, seq_lens[row0 + i]) (no sliding window here): a key past a lane's length scores -inf.
- * The scores are the row path's (exact bf16 products, fp32 sums, in another order); the weights
- * are rounded to bf16 for P.V, as FlashAttention rounds P (relative 2^-9, the size of the
- * output's own bf16 rounding): the largest error against a float64 reference is the row path's
- * within 1.3x (five head shapes). Measured on an AVX512-BF16 EPYC (Zen 5), one thread, 8 prompts
- * of 256 tokens: 2.4-2.9x the row path (fp32 FMAs for P.V and the scores' loop over keys kept in
- * memory: 1.5-1.9x). The lanes' q vectors come in, and their bf16 outputs go out, by 16 x 16
- * transposes of 32-bit pairs, and a tile's 16 keys (block_size a multiple of 16) share one block-
- * table lookup: on a Zen 4 EPYC, 8 prompts of 256 tokens, 11-17 % less time than a scalar copy
- * and conversion per lane and element and a lookup per key (the same bits out). */
-/* 16-bit lane indices for _mm512_permutex(2)var_epi16 that put elements a + i and b + i side by
- * side as a bf16 pair, i < 16 (b >= 32: the second operand's element b - 32 + i). */
 /* A 16 x 16 matrix of 32-bit elements, row k in r[k], transposed in place (r[k] becomes column k). */
 static inline void transpose16(__m512i r[16]) {
     __m512i t[16];
@@ -596,6 +574,28 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
+/* A block of a prefill chunk's rows against one KV head, for a bf16 cache on AVX512-BF16 with
+ * head_dim D (64 or 128): the query vectors that read KV head h (the group's G heads of each of
+ * the block's nrows rows, nrows <= 16 / G) sit in the 16 lanes of one register, lane i holding
+ * (row i / G, query head h * G + i % G); lanes past nrows * G repeat lane 0 and are not stored.
+ * Where the row path (run_item_dpbf16) reads a key's row once per query row and sums each score
+ * across lanes, this reads it once per block: the scores of 16 keys are 16 registers, one per
+ * key (q . k by VDPBF16PS: k's bf16 pair broadcast against the lanes' q pairs, no horizontal sum);
+ * the online softmax runs lane by lane (a lane's max and sum are its own); and acc[d] (lanes:
+ * the query vectors) += w[key] * v[key][d] + w[key'] * v[key'][d], a pair of keys per VDPBF16PS
+ * (the lanes' weights as bf16 pairs, the keys' V at d broadcast). Row i sees keys
+ * [0, seq_lens[row0 + i]) (no sliding window here): a key past a lane's length scores -inf.
+ * The scores are the row path's (exact bf16 products, fp32 sums, in another order); the weights
+ * are rounded to bf16 for P.V, as FlashAttention rounds P (relative 2^-9, the size of the
+ * output's own bf16 rounding): the largest error against a float64 reference is the row path's
+ * within 1.3x (five head shapes). Measured on an AVX512-BF16 EPYC (Zen 5), one thread, 8 prompts
+ * of 256 tokens: 2.4-2.9x the row path (fp32 FMAs for P.V and the scores' loop over keys kept in
+ * memory: 1.5-1.9x). The lanes' q vectors come in, and their bf16 outputs go out, by 16 x 16
+ * transposes of 32-bit pairs, and a tile's 16 keys (block_size a multiple of 16) share one block-
+ * table lookup: on a Zen 4 EPYC, 8 prompts of 256 tokens, 11-17 % less time than a scalar copy
+ * and conversion per lane and element and a lookup per key (the same bits out). */
+/* 16-bit lane indices for _mm512_permutex(2)var_epi16 that put elements a + i and b + i side by
+ * side as a bf16 pair, i < 16 (b >= 32: the second operand's element b - 32 + i). */
 static inline __m512i pair_index(int a, int b) {
     uint16_t idx[32];
     for (int i = 0; i < 16; i++) {
