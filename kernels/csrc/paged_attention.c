@@ -592,8 +592,9 @@ static inline void transpose16(__m512i r[16]) {
  * of 256 tokens: 2.4-2.9x the row path (fp32 FMAs for P.V and the scores' loop over keys kept in
  * memory: 1.5-1.9x). The lanes' q vectors come in, and their bf16 outputs go out, by 16 x 16
  * transposes of 32-bit pairs, and a tile's 16 keys (block_size a multiple of 16) share one block-
- * table lookup: on a Zen 4 EPYC, 8 prompts of 256 tokens, 11-17 % less time than a scalar copy
- * and conversion per lane and element and a lookup per key (the same bits out). */
+ * table lookup, where each lane's elements were copied and converted one by one and each key
+ * looked up: the same bits out, in 14-15 % less time on one thread of a Zen 4 EPYC (8 prompts of
+ * 256 tokens at tiny- and small-llama's heads), 7 % less on two. */
 /* 16-bit lane indices for _mm512_permutex(2)var_epi16 that put elements a + i and b + i side by
  * side as a bf16 pair, i < 16 (b >= 32: the second operand's element b - 32 + i). */
 static inline __m512i pair_index(int a, int b) {
