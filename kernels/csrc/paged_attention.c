@@ -650,10 +650,13 @@ static inline __attribute__((always_inline)) void run_block_dpbf16(const Problem
     int64_t rows[16];
 
     /* Every loop over a tile's keys runs all 16 (unrolled: the scores stay in registers); a last
-     * tile's keys past max_len read key `start` again and score -inf in every lane. */
+     * tile's keys past max_len read key `start` again and score -inf in every lane. A tile starts
+     * at a multiple of 16, so with a block size that is one too its keys are consecutive slots of
+     * one block (one table lookup). */
+    const int tile_in_one_block = pr->block_size % 16 == 0;
     for (int start = 0; start < max_len; start += 16) {
         const int n = max_len - start < 16 ? max_len - start : 16;
-        if (pr->block_size % 16 == 0) { /* (start is a multiple of 16: the tile's keys share a block) */
+        if (tile_in_one_block) {
             const int64_t first = slot_of(pr, table, start) * row_bytes;
             for (int t = 0; t < 16; t++) rows[t] = first + (t < n ? t : 0) * row_bytes;
         } else {

@@ -39,14 +39,14 @@ CHECKS = {
 def test_the_kernels_compile_for(march, tmp_path):
     compiler = attention_cpu._compiler()
     flags = [*attention_cpu.CFLAGS, *attention_cpu.OPENMP_FLAGS, f"-march={march}", "-Werror=implicit"]
+    for header in attention_cpu.HEADERS:  # included from beside the sources
+        (tmp_path / header).write_text(attention_cpu.SOURCE.with_name(header).read_text())
     for source in SOURCES:
         unit = tmp_path / source.name
         text = source.read_text()
         if source == attention_cpu.SOURCE:
             text += CHECKS[TARGETS[march]]
         unit.write_text(text)
-        for header in attention_cpu.HEADERS:  # included from beside the source
-            (tmp_path / header).write_text(source.with_name(header).read_text())
         result = subprocess.run(
             [compiler, *flags, "-fsyntax-only", str(unit)], capture_output=True, text=True, timeout=120
         )
