@@ -1,8 +1,11 @@
+import random
+from unittest import mock
+
 import pytest
 from transformers import AutoTokenizer
 
 from parkade.models import DEFAULT_MODEL as STORIES
-from parkade.services.tokenizer.detokenizer import IncrementalDetokenizer
+from parkade.services.tokenizer.detokenizer import IncrementalDetokenizer, decoder
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +84,29 @@ def test_streaming_holds_back_a_possible_stop_string_prefix(tok):
     # "Lily" could still become "Lily!": the last len("Lily!") - 1 = 4 characters wait.
     assert detok.text(finished=False) == " named "
     assert detok.text(finished=True) == " named Lily"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decoder_gives_the_wrappers_text_without_calling_it(tok, monkeypatch, skip_special_tokens):
+    rng = random.Random(0)
+    windows = [[rng.randrange(tok.vocab_size) for _ in range(rng.randrange(8))] for _ in range(500)]
+    windows += [[tok.bos_token_id, *tok.encode(" héllo 😀", add_special_tokens=False), tok.eos_token_id]]
+    expected = [tok.decode(ids, skip_special_tokens=skip_special_tokens) for ids in windows]
+    # A fast tokenizer that does not clean up spaces: the Rust decoder, never the wrapper.
+    monkeypatch.setattr(type(tok), "decode", lambda *args, **kwargs: pytest.fail("the wrapper was called"))
+    decode = decoder(tok, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=True)
+    assert [decode(ids) for ids in windows] == expected
+
+
+def test_decoder_keeps_the_wrapper_where_it_does_more(monkeypatch):
+    class Slow:  # a tokenizer without a Rust one (a slow tokenizer's place)
+        decode = mock.Mock(return_value="text")
+
+    slow, options = Slow(), {"skip_special_tokens": False, "spaces_between_special_tokens": False}
+    assert decoder(slow, **options)([1, 2]) == "text"
+    slow.decode.assert_called_once_with([1, 2], **options)
+    # A fast tokenizer that cleans up spaces: its wrapper does that in Python after the Rust decode.
+    cleaning = AutoTokenizer.from_pretrained(str(STORIES), clean_up_tokenization_spaces=True)
+    monkeypatch.setattr(cleaning, "decode", mock.Mock(return_value="cleaned"))
+    assert decoder(cleaning, skip_special_tokens=True)([5, 6]) == "cleaned"
+    cleaning.decode.assert_called_once_with([5, 6], skip_special_tokens=True)
