@@ -74,6 +74,7 @@ def test_up_serves_the_shipped_model_and_hands_each_service_its_flags(tmp_path):
         commands = {name: _cmdline(pid) for name, pid in state["pids"].items() if name != "broker"}
         nice = {name: _nice(pid) - _nice(up.proc.pid) for name, pid in state["pids"].items()}
         groups = {name: _autogroup_nice(pid) for name, pid in state["pids"].items()}
+        policies = {name: os.sched_getscheduler(pid) for name, pid in state["pids"].items()}
         result = up.generate("Once upon a time", "--temperature", "0", "--max-tokens", "20")
         health, completion = _ask_the_gateway(state["gateway_url"])
     finally:
@@ -97,6 +98,8 @@ def test_up_serves_the_shipped_model_and_hands_each_service_its_flags(tmp_path):
     assert nice == {"broker": 5, "replica": 0, "gateway": 5}, nice
     if groups["replica"] is not None:  # a kernel with autogroup
         assert groups == {"broker": 5, "replica": 0, "gateway": 5}, groups
+    # --pipeline-policy (default batch): the same children's wake-ups do not preempt the replica's.
+    assert policies == {"broker": os.SCHED_BATCH, "replica": os.SCHED_OTHER, "gateway": os.SCHED_BATCH}
     assert result.returncode == 0, f"{result.stderr}\n{up.output()}"
     # The trained stories260K, greedy: the story its authors document.
     assert result.stdout.startswith("Once upon a time, there was a little girl named Lily"), result.stdout

@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import socket
+import subprocess
 import sys
 import types
 
@@ -226,3 +228,21 @@ def test_a_pipeline_nice_outside_0_to_19_is_refused():
     assert up.check(parse(["up", "--pipeline-nice", "-5"])).startswith("--pipeline-nice must be 0-19")
     assert up.check(parse(["up", "--pipeline-nice", "20"])).startswith("--pipeline-nice must be 0-19")
     assert up.check(parse(["up", "--pipeline-nice", "10"])) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux's scheduling policies")
+@pytest.mark.parametrize(
+    ("flags", "policy"), [([], "SCHED_BATCH"), (["--pipeline-policy", "normal"], "SCHED_OTHER")]
+)
+def test_the_pipeline_policy_is_what_a_child_runs_under(flags, policy):
+    # What `parkade up` does before a pipeline child's exec, seen from such a child and its threads.
+    args = build_parser().parse_args(["up", *flags])
+    probe = "import os, threading; t = threading.Thread(target=lambda: print(os.sched_getscheduler(0)))"
+    probe += "; t.start(); t.join(); print(os.sched_getscheduler(0), os.nice(0))"
+    child = subprocess.run(
+        [sys.executable, "-c", probe],
+        preexec_fn=functools.partial(up._in_child, 3, args.pipeline_policy == "batch"),
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    expected = getattr(os, policy)
+    assert child.stdout.split() == [str(expected), str(expected), str(os.nice(0) + 3)]
