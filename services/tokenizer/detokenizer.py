@@ -64,11 +64,8 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
     ) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        # transformers' option; NOTE: a fast (Rust) tokenizer joins tokens by its own decoder and
-        # ignores it, as vLLM's fast detokenizer does.
-        self.spaces_between_special_tokens = spaces_between_special_tokens
+        # spaces_between_special_tokens: transformers' option; NOTE: a fast (Rust) tokenizer joins
+        # tokens by its own decoder and ignores it, as vLLM's fast detokenizer does.
         self._decode = decoder(
             tokenizer, skip_special_tokens=skip_special_tokens,
             spaces_between_special_tokens=spaces_between_special_tokens,
