@@ -474,10 +474,10 @@ async def _serve(args: argparse.Namespace, children: list[Child], stop: asyncio.
         trace_file.write_text("")  # this run's spans only
         os.environ["PARKADE_TRACE_FILE"] = str(trace_file)
         os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")  # ms: a trace is there soon after
+    pipeline_batch = args.pipeline_policy == "batch"  # the broker's and every pipeline child's
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if not bootstrap:
-        batch = args.pipeline_policy == "batch"
-        broker, bootstrap = await _start_broker(args.port, log_dir, args.pipeline_nice, batch)
+        broker, bootstrap = await _start_broker(args.port, log_dir, args.pipeline_nice, pipeline_batch)
         children.append(broker)
         if not await _until(_broker_up(broker, bootstrap), stop, 60.0):
             return stop.is_set()
@@ -492,7 +492,7 @@ async def _serve(args: argparse.Namespace, children: list[Child], stop: asyncio.
             metrics[child_name] = f"http://{_shown_host(args.metrics_host)}:{port}/metrics"
             cmd += ["--metrics-port", str(port), "--metrics-host", args.metrics_host]
             pipeline = name not in ("executor", "replica")
-            nice, batch = (args.pipeline_nice, args.pipeline_policy == "batch") if pipeline else (0, False)
+            nice, batch = (args.pipeline_nice, pipeline_batch) if pipeline else (0, False)
             services.append(await Child.start(child_name, cmd, log_dir, service=name, nice=nice, batch=batch))
             children.append(services[-1])
     if not await _until(_all_ready(services), stop, args.ready_timeout):
